@@ -1,0 +1,98 @@
+"""Regenerate the stored outputs of the book's notebooks from their MyST twins.
+
+    python .ci/execute_notebooks.py                     # every book/*.md
+    python .ci/execute_notebooks.py book/01_vmap_basics.md
+
+For each page, the cells of book/NN_name.md are executed top to bottom in a fresh kernel of
+this Python environment (working directory book/), and book/NN_name.ipynb is replaced by the
+result. The notebook is written to a temporary file first and moved into place only when
+the run succeeded, so a failed run never leaves a half-written notebook behind.
+
+A run fails (and writes nothing) when a cell raises without the `raises-exception` tag, when a
+cell tagged `raises-exception` does not raise, or when anything reaches stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jupytext
+import nbformat
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "book"
+
+
+def problems(nb) -> list[str]:
+    """What is wrong with an executed notebook, as messages naming the cell."""
+    found = []
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        tags = cell.metadata.get("tags", [])
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        if errors and "raises-exception" not in tags:
+            found.append(f"cell {index} raised {errors[0].ename}: {errors[0].evalue}")
+        if "raises-exception" in tags and not errors:
+            found.append(f"cell {index} is tagged raises-exception but did not raise")
+        for output in cell.outputs:
+            if output.output_type == "stream" and output.name == "stderr":
+                found.append(f"cell {index} wrote to stderr: {output.text[:300]!r}")
+    return found
+
+
+def execute(md_path: Path) -> float:
+    ipynb_path = md_path.with_suffix(".ipynb")
+    nb = jupytext.read(md_path)
+    nb.metadata.setdefault("kernelspec", {"display_name": "Python 3", "language": "python", "name": "python3"})
+    start = time.perf_counter()
+    NotebookClient(
+        nb, timeout=900, kernel_name="python3", allow_errors=False,
+        resources={"metadata": {"path": str(md_path.parent)}},
+    ).execute()
+    seconds = time.perf_counter() - start
+    found = problems(nb)
+    if found:
+        raise RuntimeError(f"{md_path.relative_to(ROOT)}: not written, because\n  " + "\n  ".join(found))
+    nb.metadata.setdefault("jupytext", {})["formats"] = "ipynb,md:myst"
+    handle, tmp_name = tempfile.mkstemp(dir=ipynb_path.parent, suffix=".tmp.ipynb")
+    os.close(handle)
+    try:
+        jupytext.write(nb, tmp_name, fmt="ipynb")
+        nbformat.validate(nbformat.read(tmp_name, as_version=4))
+        os.replace(tmp_name, ipynb_path)
+    finally:
+        if os.path.exists(tmp_name):
+            os.remove(tmp_name)
+    return seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("pages", nargs="*", type=Path, help="book/NN_name.md or .ipynb (default: all)")
+    args = parser.parse_args(argv)
+    pages = [p.with_suffix(".md") for p in args.pages] or sorted(BOOK.glob("*.md"))
+    failed = 0
+    for md_path in pages:
+        md_path = md_path.resolve()
+        if not md_path.exists():
+            print(f"{md_path}: no such page", file=sys.stderr)
+            failed += 1
+            continue
+        try:
+            seconds = execute(md_path)
+        except Exception as exc:  # report every page, then fail
+            print(f"FAILED {md_path.relative_to(ROOT)}: {exc}", file=sys.stderr)
+            failed += 1
+        else:
+            print(f"wrote {md_path.with_suffix('.ipynb').relative_to(ROOT)} ({seconds:.1f} s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

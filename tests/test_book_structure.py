@@ -1,0 +1,113 @@
+"""The book's sources: pairs in sync, table of contents complete, notebooks executed in order,
+no local imports. Each check is also run on a broken copy, to show that it can fail."""
+import json
+import shutil
+
+import nbformat
+import pytest
+
+from bookcheck import (BOOK, ROOT, execution_problems, local_import_problems, notebooks, pair_problems,
+                       toc_problems, unpaired)
+
+PAGES = sorted(BOOK.glob("*.md"))
+
+
+def test_the_book_has_pages():
+    assert len(PAGES) >= 2 and len(notebooks()) == len(PAGES)
+
+
+def test_every_page_is_a_pair():
+    assert unpaired() == []
+
+
+@pytest.mark.parametrize("md_path", PAGES, ids=lambda p: p.name)
+def test_pair_in_sync(md_path):
+    assert pair_problems(md_path) == []
+
+
+def test_toc_lists_every_notebook_and_nothing_else():
+    assert toc_problems(ROOT / "_toc.yml", BOOK) == []
+
+
+@pytest.mark.parametrize("nb_path", notebooks(), ids=lambda p: p.name)
+def test_notebook_executed_in_order(nb_path):
+    assert execution_problems(nb_path) == []
+
+
+@pytest.mark.parametrize("nb_path", notebooks(), ids=lambda p: p.name)
+def test_notebook_is_self_contained(nb_path):
+    assert local_import_problems(nb_path) == []
+
+
+# --- the checks catch what they guard -------------------------------------------------------
+
+@pytest.fixture
+def chapter_copy(tmp_path):
+    """A copy of chapter 1 (both files of the pair) in a scratch book/ folder."""
+    book = tmp_path / "book"
+    book.mkdir()
+    for suffix in (".md", ".ipynb"):
+        shutil.copy(BOOK / f"01_vmap_basics{suffix}", book / f"01_vmap_basics{suffix}")
+    return book / "01_vmap_basics.md"
+
+
+def test_pair_check_catches_an_edit_to_the_md_only(chapter_copy):
+    assert pair_problems(chapter_copy) == []
+    text = chapter_copy.read_text()
+    chapter_copy.write_text(text.replace("print(torch.vmap is torch.func.vmap)", "print(torch.vmap is not torch.func.vmap)"))
+    problems = pair_problems(chapter_copy)
+    assert len(problems) == 1 and "01_vmap_basics.md" in problems[0] and "source" in problems[0]
+
+
+def test_pair_check_catches_an_edit_to_the_ipynb_only(chapter_copy):
+    nb_path = chapter_copy.with_suffix(".ipynb")
+    nb = nbformat.read(nb_path, as_version=4)
+    first_code = next(c for c in nb.cells if c.cell_type == "code")
+    first_code.metadata["tags"] = ["nbval-skip"]
+    nbformat.write(nb, nb_path)
+    problems = pair_problems(chapter_copy)
+    assert len(problems) == 1 and "01_vmap_basics.ipynb" in problems[0] and "tags" in problems[0]
+
+
+def test_pair_check_catches_a_missing_cell(chapter_copy):
+    nb_path = chapter_copy.with_suffix(".ipynb")
+    nb = nbformat.read(nb_path, as_version=4)
+    del nb.cells[-1]
+    nbformat.write(nb, nb_path)
+    assert "cells but" in " ".join(pair_problems(chapter_copy))
+
+
+def test_toc_check_catches_a_missing_entry_and_a_missing_file(chapter_copy):
+    toc = chapter_copy.parent.parent / "_toc.yml"
+    toc.write_text("format: jb-book\nroot: book/00_front_page\nchapters:\n  - file: book/02_missing\n")
+    problems = toc_problems(toc, chapter_copy.parent)
+    assert any("00_front_page.ipynb does not exist" in p for p in problems)
+    assert any("02_missing.ipynb does not exist" in p for p in problems)
+    assert any("book/01_vmap_basics.ipynb is not listed" in p for p in problems)
+
+
+def _rewrite(nb_path, change):
+    nb = nbformat.read(nb_path, as_version=4)
+    change([c for c in nb.cells if c.cell_type == "code"])
+    nbformat.write(nb, nb_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda cells: cells[3].__setitem__("execution_count", None), "execution count None"),
+    (lambda cells: cells[3].__setitem__("execution_count", 99), "execution count 99"),
+    (lambda cells: cells[3].outputs.append(nbformat.v4.new_output("stream", name="stderr", text="warning\n")), "stderr"),
+    (lambda cells: cells[3].outputs.append(nbformat.v4.new_output("error", ename="ValueError", evalue="", traceback=[])), "stored error"),
+    (lambda cells: next(c for c in cells if "raises-exception" in c.metadata.get("tags", [])).__setitem__("outputs", []), "no stored error"),
+])
+def test_execution_check_catches(chapter_copy, change, message):
+    nb_path = chapter_copy.with_suffix(".ipynb")
+    assert execution_problems(nb_path) == []
+    _rewrite(nb_path, change)
+    assert message in " ".join(execution_problems(nb_path))
+
+
+def test_local_import_check_catches_an_import_of_a_repository_module(chapter_copy):
+    nb_path = chapter_copy.with_suffix(".ipynb")
+    _rewrite(nb_path, lambda cells: cells[0].__setitem__("source", "import bookcheck\nfrom tests import bookcheck\n" + cells[0].source))
+    problems = local_import_problems(nb_path)
+    assert len(problems) == 2 and "'bookcheck'" in problems[0] and "'tests'" in problems[1]

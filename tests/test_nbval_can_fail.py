@@ -1,0 +1,50 @@
+"""nbval is only worth running if it fails when an output changes. For every notebook, alter the
+first output that nbval compares, run nbval on that copy, and require exactly that cell to fail."""
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import nbformat
+import pytest
+
+from bookcheck import notebooks
+
+IGNORED = {"nbval-ignore-output", "nbval-skip", "raises-exception"}
+
+
+def first_compared_output(nb):
+    """(index among code cells, output) of the first text output that nbval compares."""
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    for index, cell in enumerate(code_cells):
+        if IGNORED & set(cell.metadata.get("tags", [])):
+            continue
+        for output in cell.outputs:
+            if output.output_type == "stream" or "text/plain" in output.get("data", {}):
+                return index, output
+    return None, None
+
+
+@pytest.mark.parametrize("nb_path", notebooks(), ids=lambda p: p.name)
+def test_nbval_fails_when_a_stored_output_is_altered(nb_path, tmp_path):
+    nb = nbformat.read(nb_path, as_version=4)
+    index, output = first_compared_output(nb)
+    assert output is not None, f"{nb_path.name} has no output that nbval compares"
+    if output.output_type == "stream":
+        output.text = output.text.replace("True", "False") if "True" in output.text else output.text + "altered\n"
+    else:
+        output.data["text/plain"] += " altered"
+    altered = tmp_path / f"altered_{nb_path.name}"
+    nbformat.write(nb, altered)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    report = tmp_path / "report.xml"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env", "-p", "no:cacheprovider", "-x",
+         f"--junitxml={report}", str(altered)],
+        cwd=tmp_path, capture_output=True, text=True,
+    )
+    assert result.returncode == 1, result.stdout[-3000:]
+    cases = ET.parse(report).getroot().iter("testcase")
+    outcomes = [(case.get("name"), "failed" if case.find("failure") is not None else "passed") for case in cases]
+    assert outcomes[-1][1] == "failed" and all(outcome == "passed" for _, outcome in outcomes[:-1]), outcomes
+    assert outcomes[-1][0].endswith(f"Cell {index}"), (outcomes[-1], index)
