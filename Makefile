@@ -4,13 +4,14 @@
 #   make site                                  build the static site into _build/html
 #   make test                                  run the test suite (nbval over book/, and tests/)
 #   make outputs [NB=book/01_vmap_basics.md]   re-execute notebooks and store their outputs
+#   make recipe-box                            regenerate book/07_recipe_box.md from the chapters' recipe cells
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 READY  := $(VENV)/.requirements-installed
 
-.PHONY: site test outputs clean
+.PHONY: site test outputs recipe-box clean
 
 $(READY): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +29,10 @@ test: $(READY)
 
 outputs: $(READY)
 	$(PY) .ci/execute_notebooks.py $(NB)
+
+recipe-box: $(READY)
+	$(PY) .ci/build_recipe_box.py
+	$(PY) .ci/execute_notebooks.py book/07_recipe_box.md
 
 clean:
 	rm -rf _build
