@@ -4,7 +4,7 @@
 #   make site                                  build the static site into _build/html
 #   make test                                  run the test suite (nbval over book/, and tests/)
 #   make outputs [NB=book/01_vmap_basics.md]   re-execute notebooks and store their outputs
-#   make recipe-box                            regenerate book/07_recipe_box.md from the chapters' recipe cells
+#   make recipe-box                            regenerate book/08_recipe_box.md from the chapters' recipe cells
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -32,7 +32,7 @@ outputs: $(READY)
 
 recipe-box: $(READY)
 	$(PY) .ci/build_recipe_box.py
-	$(PY) .ci/execute_notebooks.py book/07_recipe_box.md
+	$(PY) .ci/execute_notebooks.py book/08_recipe_box.md
 
 clean:
 	rm -rf _build

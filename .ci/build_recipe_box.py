@@ -1,10 +1,10 @@
-"""Generate book/07_recipe_box.md from every cell tagged `recipe` in the chapters, in _toc.yml order.
+"""Generate book/08_recipe_box.md from every cell tagged `recipe` in the chapters, in _toc.yml order.
 
-    python .ci/build_recipe_box.py           # write book/07_recipe_box.md
+    python .ci/build_recipe_box.py           # write book/08_recipe_box.md
     python .ci/build_recipe_box.py --check   # exit 1, naming the recipe, if the box has drifted
 
 The box is never edited by hand: tests/test_recipe_box.py fails when a chapter's recipe and the box
-differ. After regenerating, store its outputs with `make outputs NB=book/07_recipe_box.md`.
+differ. After regenerating, store its outputs with `make outputs NB=book/08_recipe_box.md`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import jupytext
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-BOX = ROOT / "book" / "07_recipe_box.md"
+BOX = ROOT / "book" / "08_recipe_box.md"
 
 HEADER = '''---
 jupytext:
@@ -54,7 +54,7 @@ print("recipes loaded with torch >= 2.6:", tuple(int(p) for p in torch.__version
 def chapters() -> list[Path]:
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
     files = [entry["file"] for part in toc.get("parts", []) for entry in part.get("chapters", [])]
-    return [ROOT / f"{name}.md" for name in files if not name.endswith("07_recipe_box")]
+    return [ROOT / f"{name}.md" for name in files if not name.endswith("08_recipe_box")]
 
 
 def recipe_cells() -> list[tuple[str, str, str]]:

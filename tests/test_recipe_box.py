@@ -12,7 +12,7 @@ spec.loader.exec_module(build)
 
 
 def test_box_matches_the_chapters():
-    assert build.BOX.read_text() == build.render(), "run: python .ci/build_recipe_box.py, then make outputs NB=book/07_recipe_box.md"
+    assert build.BOX.read_text() == build.render(), "run: python .ci/build_recipe_box.py, then make outputs NB=book/08_recipe_box.md"
 
 
 def test_box_has_every_recipe_once():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from bookcheck import BOOK
 
-BOX = BOOK / "07_recipe_box.md"
+BOX = BOOK / "08_recipe_box.md"
 
 
 @pytest.fixture(scope="module")
