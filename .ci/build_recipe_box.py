@@ -1,7 +1,7 @@
 """Generate book/08_recipe_box.md from every cell tagged `recipe` in the chapters, in _toc.yml order.
 
     python .ci/build_recipe_box.py           # write book/08_recipe_box.md
-    python .ci/build_recipe_box.py --check   # exit 1, naming the recipe, if the box has drifted
+    python .ci/build_recipe_box.py --check   # exit 1 if the box differs from the chapters' recipe cells
 
 The box is never edited by hand: tests/test_recipe_box.py fails when a chapter's recipe and the box
 differ. After regenerating, store its outputs with `make outputs NB=book/08_recipe_box.md`.
