@@ -1,30 +1,10 @@
 """The site builds with warnings as errors, every chapter is in it with its stored outputs and
-its Colab button, and no internal link is broken."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+its Colab button, and no internal link is broken. (The `site` fixture is in conftest.py.)"""
 import nbformat
 import pytest
 import yaml
 
 from bookcheck import BOOK, ROOT, link_problems, notebooks, toc_entries
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    """Build the site the way `make site` does, into a scratch folder."""
-    out = tmp_path_factory.mktemp("site")
-    jupyter_book = Path(sys.executable).with_name("jupyter-book")
-    result = subprocess.run(
-        [str(jupyter_book), "build", str(ROOT), "--path-output", str(out), "-W", "--keep-going"],
-        capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, f"the site build failed:\n{log[-5000:]}"
-    assert "WARNING" not in log, log
-    return out / "_build" / "html"
 
 
 def test_every_toc_entry_has_a_page(site):
