@@ -181,8 +181,9 @@ def search(browser, base: str, word: str) -> list[str]:
     try:
         page = context.new_page()
         page.goto(f"{base}search.html?q={urllib.parse.quote(word)}", wait_until="load")
-        page.wait_for_function("""() => document.querySelectorAll("#search-results ul.search li").length > 0
-                                  || /did not match|found 0/i.test(document.querySelector("#search-results").innerText)""",
+        # Sphinx lists the results one by one, then writes a summary: wait for the summary.
+        page.wait_for_function("""() => /Search finished|did not match/.test(
+                                      document.querySelector("#search-results")?.innerText || "")""",
                                timeout=20_000)
         hrefs = page.evaluate("""() => Array.from(document.querySelectorAll("#search-results ul.search li a"),
                                                    a => a.href)""")

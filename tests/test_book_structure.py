@@ -111,3 +111,22 @@ def test_local_import_check_catches_an_import_of_a_repository_module(chapter_cop
     _rewrite(nb_path, lambda cells: cells[0].__setitem__("source", "import bookcheck\nfrom tests import bookcheck\n" + cells[0].source))
     problems = local_import_problems(nb_path)
     assert len(problems) == 2 and "'bookcheck'" in problems[0] and "'tests'" in problems[1]
+
+
+# --- the glossary is linked from the text ----------------------------------------------------
+
+GLOSSARY_TERMS = ["vmap", "grad", "vjp", "jvp", "jacrev", "jacfwd", "hessian", "functional_call", "stack_module_state"]
+
+
+@pytest.mark.parametrize("term", GLOSSARY_TERMS)
+def test_every_transform_has_a_glossary_entry_linked_from_a_chapter(term):
+    label = "glossary-" + term.replace("_", "-")
+    assert f"({label})=" in (BOOK / "09_glossary.md").read_text(), f"no entry for {term} in the glossary"
+    linking = [p.name for p in PAGES if p.name != "09_glossary.md" and f"]({label})" in p.read_text()]
+    assert linking, f"no page links to the glossary entry of {term}"
+
+
+@pytest.mark.parametrize("md_path", [p for p in PAGES if p.name[:2] in {"01", "02", "03", "04", "05", "06", "07"}],
+                         ids=lambda p: p.name)
+def test_every_chapter_links_to_the_glossary(md_path):
+    assert "](glossary-" in md_path.read_text()

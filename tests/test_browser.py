@@ -105,9 +105,9 @@ def test_the_site_has_plots_and_typeset_math(reports):
 
 
 @pytest.mark.parametrize("entry", ENTRIES[1:], ids=lambda e: e.removeprefix("book/"))
-def test_search_finds_the_chapter_by_a_word_of_its_title(browser, base_url, entry):
+def test_search_finds_the_page_by_a_word_of_its_title(browser, base_url, entry):
     title = next(line for line in (ROOT / f"{entry}.md").read_text().splitlines() if line.startswith("# "))
-    word = max(re.findall(r"[A-Za-z]{4,}", title), key=len)
+    word = max(re.findall(r"[A-Za-z]{3,}", title), key=len)
     assert f"{entry}.html" in bc.search(browser, base_url, word), f"searching for {word!r}"
 
 
@@ -127,7 +127,8 @@ def test_a_broken_site_is_caught(browser, site, tmp_path):
         assert old in text, (entry, old)
         path.write_text(text.replace(old, new, count))
 
-    ch1, ch2, ch3, ch4, ch5, ch6 = ENTRIES[1:7]
+    chapters = [e for e in ENTRIES if e.split("/")[-1][:2] in ("01", "02", "03", "04", "05", "06")]
+    ch1, ch2, ch3, ch4, ch5, ch6 = chapters
     # 1. a missing image
     image = re.search(r'src="\.\./(_images/[^"]+\.png)"', (broken / f"{ch2}.html").read_text()).group(1)
     (broken / image).unlink()
@@ -143,9 +144,9 @@ def test_a_broken_site_is_caught(browser, site, tmp_path):
     edit(ch6, "</head>", '<script src="https://cdn.example.org/lib.js"></script></head>')
 
     with bc.serve(broken) as url:
-        reports = inspect_site(browser, url, [f"{e}.html" for e in ENTRIES[1:7]])
+        reports = inspect_site(browser, url, [f"{e}.html" for e in chapters])
         problems = {entry: "\n".join(bc.page_problems(reports[f"{entry}.html"], **expectations(url, ENTRIES.index(entry))))
-                    for entry in ENTRIES[1:7]}
+                    for entry in chapters}
         links = bc.LinkChecker().problems(ch5, reports[f"{ch5}.html"].links)
 
     assert f"image did not load: ../{image}" in problems[ch2] and "HTTP 404" in problems[ch2]
