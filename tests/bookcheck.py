@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import html.parser
+import re
 import sys
 import urllib.parse
 from pathlib import Path
@@ -135,6 +136,42 @@ def local_import_problems(nb_path: Path, root: Path = ROOT) -> list[str]:
                 top = name.split(".")[0]
                 if not top or top in local_names and top not in sys.stdlib_module_names:
                     problems.append(f"{nb_path.name} cell {index} imports {name!r}, which is not an installed package")
+    return problems
+
+
+# --- figures -------------------------------------------------------------------------------
+
+_TIMING = re.compile(r"\d\s*(ms|us|µs)\b|\d+(\.\d+)?x\b")
+
+
+def _has_plot(cell) -> bool:
+    return any("image/png" in o.get("data", {}) for o in cell.get("outputs", []))
+
+
+def figure_problems(nb_path: Path) -> list[str]:
+    """Measurements shown as numbers alone, and plots without axis labels, title or hardware.
+
+    A cell whose output is not compared (timings) and prints times (ms, us) or ratios (2.5x) must
+    have a plot in it or in a code cell at most two before or one after it. A cell that draws a
+    plot must label its x axis, its y axis (or draw horizontal bars, whose bars are labelled),
+    set a title, and name the hardware in it.
+    """
+    nb = nbformat.read(nb_path, as_version=4)
+    code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    problems = []
+    for k, (index, cell) in enumerate(code):
+        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        if "nbval-ignore-output" in cell.metadata.get("tags", []) and _TIMING.search(text):
+            if not any(_has_plot(c) for _, c in code[max(k - 2, 0):k + 2]):
+                problems.append(f"{nb_path.name} cell {index}: prints measurements but no plot is next to it")
+        if _has_plot(cell):
+            source = cell.source
+            missing = [what for what, ok in [("an x-axis label", "xlabel" in source),
+                                             ("a y-axis label", "ylabel" in source or "barh(" in source),
+                                             ("a title", "title" in source),
+                                             ("the hardware", "hardware" in source)] if not ok]
+            if missing:
+                problems.append(f"{nb_path.name} cell {index}: its plot lacks " + ", ".join(missing))
     return problems
 
 

@@ -15,6 +15,7 @@ import http.server
 import os
 import re
 import shutil
+import sys
 import threading
 import urllib.error
 import urllib.parse
@@ -41,10 +42,17 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        # A browser closing a page may drop a connection mid-response: not a fault of the site.
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
+
 @contextlib.contextmanager
 def serve(folder: Path):
     """Serve `folder` on 127.0.0.1 (a free port); yields the base URL, ending in '/'."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(folder)))
+    server = _Server(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(folder)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -6,8 +6,8 @@ import shutil
 import nbformat
 import pytest
 
-from bookcheck import (BOOK, ROOT, execution_problems, local_import_problems, notebooks, pair_problems,
-                       toc_problems, unpaired)
+from bookcheck import (BOOK, ROOT, execution_problems, figure_problems, local_import_problems, notebooks,
+                       pair_problems, toc_problems, unpaired)
 
 PAGES = sorted(BOOK.glob("*.md"))
 
@@ -130,3 +130,25 @@ def test_every_transform_has_a_glossary_entry_linked_from_a_chapter(term):
                          ids=lambda p: p.name)
 def test_every_chapter_links_to_the_glossary(md_path):
     assert "](glossary-" in md_path.read_text()
+
+
+# --- every measurement has a labelled plot ----------------------------------------------------
+
+@pytest.mark.parametrize("nb_path", notebooks(), ids=lambda p: p.name)
+def test_measurements_are_plotted_with_labels_and_hardware(nb_path):
+    assert figure_problems(nb_path) == []
+
+
+def test_figure_check_catches_numbers_alone_and_an_unlabelled_plot(tmp_path):
+    timing = nbformat.v4.new_code_cell("print('loop 12.0 ms, vmap 1.5 ms')", metadata={"tags": ["nbval-ignore-output"]},
+                                       outputs=[nbformat.v4.new_output("stream", name="stdout", text="loop 12.0 ms\n")])
+    plot = nbformat.v4.new_code_cell("ax.plot(x, y); ax.set(xlabel='B')",
+                                     outputs=[nbformat.v4.new_output("display_data", data={"image/png": "iVBOR"})])
+    far = [nbformat.v4.new_code_cell("pass") for _ in range(3)]
+    nb = nbformat.v4.new_notebook(cells=[timing, *far, plot])
+    path = tmp_path / "numbers.ipynb"
+    nbformat.write(nb, path)
+    assert figure_problems(path) == [
+        "numbers.ipynb cell 0: prints measurements but no plot is next to it",
+        "numbers.ipynb cell 4: its plot lacks a y-axis label, a title, the hardware",
+    ]
