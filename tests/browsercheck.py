@@ -78,9 +78,10 @@ def chromium(executable: str):
 class PageReport:
     url: str
     problems: list[str] = field(default_factory=list)  # console errors, failed or outside requests, broken images
-    images: int = 0
+    images: int = 0             # every <img> on the page (the theme's logos included)
+    plots: int = 0              # images inside cell outputs: the notebook's figures
     math: int = 0               # elements holding TeX on the page
-    typeset: int = 0            # of those, how many MathJax turned into rendered math without an error
+    typeset: int = 0            # of those, how many MathJax rendered without an error
     cells: int = 0              # code cells on the page (inputs)
     cells_visible: int = 0      # ... of them not folded away (hide-cell)
     outputs: int = 0
@@ -90,32 +91,44 @@ class PageReport:
     next: str | None = None
     links: list[str] = field(default_factory=list)  # internal links, absolute
     redirect: str | None = None  # where a <meta http-equiv="refresh"> page sent the browser
+    results: list[str] = field(default_factory=list)  # on a search page: the pages listed
 
 
+# Every wait inside the page races a timer, so a resource that never settles fails the check
+# with a message instead of hanging the test run.
 _IMAGES_SETTLED = """async () => {
-  for (const img of document.images) {
-    img.loading = "eager";
-    if (!img.complete) await new Promise(done => { img.onload = img.onerror = done; });
-  }
-  return Array.from(document.images).filter(img => !(img.complete && img.naturalWidth > 0))
-              .map(img => img.getAttribute("src").slice(0, 120));
+  const settle = img => img.complete ? Promise.resolve() : new Promise(done => {
+    img.addEventListener("load", done, {once: true});
+    img.addEventListener("error", done, {once: true});
+  });
+  const images = Array.from(document.images);
+  images.forEach(img => { img.loading = "eager"; });
+  const timer = new Promise(done => setTimeout(() => done("timeout"), 15000));
+  const timedOut = (await Promise.race([Promise.all(images.map(settle)), timer])) === "timeout";
+  const broken = images.filter(img => !(img.complete && img.naturalWidth > 0 && img.naturalHeight > 0))
+                       .map(img => (img.getAttribute("src") || "(no src)").slice(0, 120));
+  return [broken, timedOut];
 }"""
 
 _MATH = """async () => {
   const nodes = Array.from(document.querySelectorAll(".math"));
   if (nodes.length === 0) return [0, 0, null];
   if (!(window.MathJax && MathJax.startup && MathJax.startup.promise)) return [nodes.length, 0, "MathJax did not load"];
-  await MathJax.startup.promise;
+  const timer = new Promise(done => setTimeout(() => done("timeout"), 20000));
+  if ((await Promise.race([MathJax.startup.promise, timer])) === "timeout")
+    return [nodes.length, 0, "MathJax did not finish typesetting within 20 s"];
   const good = nodes.filter(n => n.querySelector("mjx-container") && !n.querySelector("mjx-merror"));
   return [nodes.length, good.length, null];
 }"""
 
 _CONTENT = """() => {
-  const shown = el => el.checkVisibility();
+  const shown = el => el.checkVisibility({opacityProperty: true, visibilityProperty: true})
+                      && el.getBoundingClientRect().height > 0;
   const inputs = Array.from(document.querySelectorAll("div.cell div.cell_input"));
   const outputs = Array.from(document.querySelectorAll("div.cell div.cell_output"));
   const hrefs = sel => Array.from(document.querySelectorAll(sel), a => a.href);
   return {
+    images: document.images.length, plots: document.querySelectorAll("div.cell_output img").length,
     cells: inputs.length, cells_visible: inputs.filter(shown).length,
     outputs: outputs.length, outputs_visible: outputs.filter(shown).length,
     colab: hrefs('a[href*="colab.research.google.com"]'),
@@ -125,6 +138,9 @@ _CONTENT = """() => {
   };
 }"""
 
+# Sphinx's search page lists results one by one, then writes a summary: wait for the summary.
+SEARCH_FINISHED = """() => /Search finished|did not match/.test(document.querySelector("#search-results")?.innerText || "")"""
+_SEARCH_RESULTS = """() => Array.from(document.querySelectorAll("#search-results ul.search li a"), a => a.href)"""
 
 _REFRESH = re.compile(r"""<meta\s+http-equiv=["']refresh["']\s+content=["']\d+;\s*url=([^"']+)["']""", re.I)
 
@@ -136,9 +152,13 @@ def _refresh_target(url: str) -> str | None:
 
 
 def inspect_page(browser, url: str, screenshot: Path | None = None) -> PageReport:
-    """Open `url` in a fresh browser context that may reach nothing but the site's own server."""
+    """Open `url` in a fresh browser context that may reach nothing but the site's own server.
+
+    A URL with `search.html?q=...` is a search: the report's `results` lists the pages found.
+    """
     origin = "{0.scheme}://{0.netloc}".format(urllib.parse.urlsplit(url))
     report = PageReport(url)
+    problems: list[str] = []
     blocked: set[str] = set()
 
     def only_the_site(route):
@@ -147,130 +167,135 @@ def inspect_page(browser, url: str, screenshot: Path | None = None) -> PageRepor
             route.continue_()
         else:
             blocked.add(request_url)
-            report.problems.append(f"request leaves the site (it must read offline): {request_url}")
+            problems.append(f"request leaves the site (it must read offline): {request_url}")
             route.abort()
 
     context = browser.new_context(viewport={"width": 1280, "height": 900}, service_workers="block")
     try:
         context.route("**/*", only_the_site)
         page = context.new_page()
-        page.on("console", lambda m: m.type == "error" and report.problems.append(f"console error: {m.text}"))
-        page.on("pageerror", lambda e: report.problems.append(f"script error: {e}"))
-        page.on("response", lambda r: r.status >= 400 and report.problems.append(f"HTTP {r.status}: {r.url}"))
-        page.on("requestfailed", lambda r: r.url not in blocked and report.problems.append(
+        page.on("console", lambda m: m.type == "error" and problems.append(f"console error: {m.text}"))
+        page.on("pageerror", lambda e: problems.append(f"script error: {e}"))
+        page.on("response", lambda r: r.status >= 400 and problems.append(f"HTTP {r.status}: {r.url}"))
+        page.on("requestfailed", lambda r: r.url not in blocked and problems.append(
             f"failed to load {r.url}: {r.failure}"))
-        page.goto(url, wait_until="load")
+        page.goto(url, wait_until="load", timeout=30_000)
         if redirect := _refresh_target(url):  # index.html forwards to the front page
-            page.wait_for_url(redirect)
+            page.wait_for_url(redirect, timeout=15_000)
             page.wait_for_load_state("load")
             report.redirect = page.url
-        broken = page.evaluate(_IMAGES_SETTLED)
-        report.images = page.evaluate("() => document.images.length")
-        report.problems += [f"image did not load: {src}" for src in broken]
+        page.wait_for_load_state("networkidle", timeout=15_000)  # late requests: fonts, async scripts
+        broken, timed_out = page.evaluate(_IMAGES_SETTLED)
+        problems.extend(f"image did not load: {src}" for src in broken)
+        if timed_out:
+            problems.append("images still loading after 15 s")
         report.math, report.typeset, math_error = page.evaluate(_MATH)
         if math_error:
-            report.problems.append(math_error)
-        content = page.evaluate(_CONTENT)
-        for key, value in content.items():
+            problems.append(math_error)
+        for key, value in page.evaluate(_CONTENT).items():
             setattr(report, key, value)
-        report.links = sorted({link.split("#")[0] + ("#" + link.split("#", 1)[1] if "#" in link else "")
-                               for link in report.links if link.startswith(origin + "/")})
+        report.links = sorted({link for link in report.links if link.startswith(origin + "/")})
+        if "search.html?q=" in url:
+            page.wait_for_function(SEARCH_FINISHED, timeout=20_000)
+            report.results = sorted({urllib.parse.urlsplit(h).path.lstrip("/") for h in page.evaluate(_SEARCH_RESULTS)})
         if screenshot is not None:
             screenshot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(screenshot), full_page=True, type="jpeg", quality=70)
+        report.problems = list(problems)  # taken before closing: closing cancels requests still in flight
     finally:
         context.close()
     return report
 
 
-def search(browser, base: str, word: str) -> list[str]:
-    """The pages (paths relative to the site) that the site's own search page lists for `word`."""
-    context = browser.new_context()
-    try:
-        page = context.new_page()
-        page.goto(f"{base}search.html?q={urllib.parse.quote(word)}", wait_until="load")
-        # Sphinx lists the results one by one, then writes a summary: wait for the summary.
-        page.wait_for_function("""() => /Search finished|did not match/.test(
-                                      document.querySelector("#search-results")?.innerText || "")""",
-                               timeout=20_000)
-        hrefs = page.evaluate("""() => Array.from(document.querySelectorAll("#search-results ul.search li a"),
-                                                   a => a.href)""")
-    finally:
-        context.close()
-    return sorted({urllib.parse.urlsplit(h).path.lstrip("/") for h in hrefs})
+def search(browser, base: str, word: str) -> PageReport:
+    """Search the site for `word` on its own search page; `results` lists the pages found."""
+    return inspect_page(browser, f"{base}search.html?q={urllib.parse.quote(word)}")
 
 
-_IDS = re.compile(r"""\b(?:id|name)=["']([^"']+)["']""")
+_IDS = re.compile(r"""(?<![\w-])id=["']([^"']+)["']|<a\s[^>]*?(?<![\w-])name=["']([^"']+)["']""")
 
 
 class LinkChecker:
-    """Fetches each internal link's target once from the running server; checks anchors too."""
+    """Fetches each internal link's target once from the running server; checks anchors too.
+
+    A link to a folder must reach the folder's index.html (a static host gives 404 otherwise).
+    """
 
     def __init__(self):
         self._pages: dict[str, tuple[int, set[str]]] = {}
 
     def _fetch(self, url: str) -> tuple[int, set[str]]:
+        url = url + "index.html" if url.endswith("/") else url
         if url not in self._pages:
             try:
                 with urllib.request.urlopen(url, timeout=10) as response:
-                    body = response.read()
-                    ids = set(_IDS.findall(body.decode("utf-8", "replace"))) if url.endswith((".html", "/")) else set()
+                    body = response.read().decode("utf-8", "replace") if url.endswith(".html") else ""
+                    ids = {a or b for a, b in _IDS.findall(body)}
                     self._pages[url] = (response.status, ids)
             except urllib.error.HTTPError as error:
-                self._pages[url] = (error.code, set())
+                with error:
+                    self._pages[url] = (error.code, set())
         return self._pages[url]
 
     def problems(self, page_url: str, links: list[str]) -> list[str]:
         found = []
         for link in links:
-            target, _, anchor = link.partition("#")
+            parts = urllib.parse.urlsplit(link)
+            target, anchor = f"{parts.scheme}://{parts.netloc}{parts.path}", parts.fragment
             status, ids = self._fetch(target)
             if status != 200:
                 found.append(f"{page_url}: link to {link} gives HTTP {status}")
-            elif anchor and target.endswith(".html") and urllib.parse.unquote(anchor) not in ids:
+            elif anchor and target.endswith((".html", "/")) and urllib.parse.unquote(anchor) not in ids:
                 found.append(f"{page_url}: link to {link}: no element with id {anchor!r}")
         return found
 
 
 # --- what each page must show --------------------------------------------------------------
 
-HIDE_INPUT = {"hide-cell", "hide-input", "remove-cell", "remove-input"}
-HIDE_OUTPUT = {"hide-cell", "hide-output", "remove-cell", "remove-output"}
+REMOVED_INPUT = {"remove-cell", "remove-input"}      # myst-nb leaves these out of the page
+REMOVED_OUTPUT = {"remove-cell", "remove-output"}
+FOLDED_INPUT = {"hide-cell", "hide-input"}           # on the page, inside a closed <details>
+FOLDED_OUTPUT = {"hide-cell", "hide-output"}
+_TEX = re.compile(r"\$\$.+?\$\$|\$[^$\n]+\$|\\begin\{", re.S)
 
 
 def expected_content(nb) -> dict:
     """What a notebook's page must show, read off the stored notebook."""
     code = [c for c in nb.cells if c.cell_type == "code"]
     tags = [set(c.metadata.get("tags", [])) for c in code]
-    with_outputs = [(c, t) for c, t in zip(code, tags) if c.outputs]
+    shown_inputs = [t for t in tags if not t & REMOVED_INPUT]
+    shown_outputs = [t for c, t in zip(code, tags) if c.outputs and not t & REMOVED_OUTPUT]
     return {
-        "cells": len(code),
-        "cells_visible": sum(not (t & HIDE_INPUT) for t in tags),
-        "outputs": len(with_outputs),
-        "outputs_visible": sum(not (t & HIDE_OUTPUT) for _, t in with_outputs),
-        "images_at_least": sum("image/png" in o.get("data", {}) for c in code for o in c.outputs),
-        "has_math": any("$" in c.source for c in nb.cells if c.cell_type == "markdown"),
+        "cells": len(shown_inputs),
+        "cells_visible": sum(not t & FOLDED_INPUT for t in shown_inputs),
+        "outputs": len(shown_outputs),
+        "outputs_visible": sum(not t & FOLDED_OUTPUT for t in shown_outputs),
+        "plots": sum("image/png" in o.get("data", {}) for c, t in zip(code, tags) if not t & REMOVED_OUTPUT
+                     for o in c.outputs),
+        "tex": sum(len(_TEX.findall(c.source)) for c in nb.cells if c.cell_type == "markdown"),
     }
 
 
-def page_problems(report: PageReport, expected: dict | None, colab: str | None,
+def page_problems(report: PageReport, expected: dict | None, colab: list[str],
                   previous: str | None, next_: str | None) -> list[str]:
-    """Everything wrong with one inspected page, given what its notebook and the toc promise."""
+    """Everything wrong with one inspected page, given what its notebook and the toc promise.
+
+    `expected` is None for pages that are not notebooks; `colab`, `previous` and `next_` are
+    always compared ([] and None mean: there must be none).
+    """
     problems = list(report.problems)
     if report.math != report.typeset:
         problems.append(f"math not typeset: {report.math - report.typeset} of {report.math} formulas")
     if expected is not None:
-        for key in ("cells", "cells_visible", "outputs", "outputs_visible"):
+        for key in ("cells", "cells_visible", "outputs", "outputs_visible", "plots"):
             if getattr(report, key) != expected[key]:
                 problems.append(f"{key}: the page has {getattr(report, key)}, the notebook {expected[key]}")
-        if report.images < expected["images_at_least"]:
-            problems.append(f"{report.images} images on the page, the notebook has {expected['images_at_least']} plots")
-        if expected["has_math"] and report.math == 0:
-            problems.append("the notebook has mathematics but the page shows none")
-    if colab is not None and report.colab != [colab]:
-        problems.append(f"Colab link(s) {report.colab}, expected [{colab}]")
-    if previous is not None and report.previous != previous:
+        if report.math < expected["tex"]:
+            problems.append(f"{report.math} formulas on the page, the notebook's text has {expected['tex']}")
+    if report.colab != colab:
+        problems.append(f"Colab link(s) {report.colab}, expected {colab}")
+    if report.previous != previous:
         problems.append(f"'previous' link {report.previous}, expected {previous}")
-    if next_ is not None and report.next != next_:
+    if report.next != next_:
         problems.append(f"'next' link {report.next}, expected {next_}")
     return problems

@@ -2,29 +2,34 @@
 every request that would leave the machine blocked (the site must read offline).
 
 Per page: no console or script error and no failed request; every image loads with a non-zero
-size; all mathematics is typeset by the MathJax shipped with the site; the code cells and outputs
-of the notebook are on the page (folded cells folded, the others visible); the Colab button opens
-this notebook on branch main; previous/next follow the table of contents; every internal link
-reaches an existing page and anchor. The search page finds each chapter by a word of its title.
-A full-page screenshot of each page goes to test-artifacts/screenshots/ (JPEG). The last test breaks a copy of the
-site in each of those ways and checks that every break is reported.
+size, and the page shows exactly the notebook's plots; all mathematics is typeset by the MathJax
+shipped with the site (an undefined macro counts as an error); the code cells and outputs of the
+notebook are on the page (folded cells folded, the others visible); the Colab button opens this
+notebook on branch main; previous/next follow the table of contents; every internal link reaches
+an existing page and anchor. The search page finds each page by a word that only its text uses.
+A full-page screenshot of each page goes to test-artifacts/screenshots/ (JPEG). The last test
+breaks a copy of the site in each of those ways and checks that each break, and nothing else,
+is reported.
 
-Needs Chromium and Playwright; without them the tests are skipped, except in CI (CI set), where
-that is a failure. The `site` fixture (the build) is in conftest.py.
+Needs Chromium and Playwright; without them the tests are skipped with a message, except when the
+environment variable CI is set (to anything but "", "0" or "false"), where that is a failure. The
+`site` fixture (the build) is in conftest.py.
 """
+import collections
 import os
 import re
 import shutil
 
+import jupytext
 import nbformat
 import pytest
 import yaml
 
 import browsercheck as bc
-from bookcheck import BOOK, ROOT, toc_entries
+from bookcheck import ROOT, toc_entries
 
 SCREENSHOTS = ROOT / "test-artifacts" / "screenshots"
-ENTRIES = toc_entries(ROOT / "_toc.yml")            # book/00_front_page, book/01_vmap_basics, ...
+ENTRIES = toc_entries(ROOT / "_toc.yml")            # book/00_front_page, book/00_run_it, ...
 EXTRA_PAGES = ["index.html", "search.html", "genindex.html"]
 CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
 REPOSITORY = CONFIG["repository"]["url"].removeprefix("https://github.com/")
@@ -32,6 +37,14 @@ REPOSITORY = CONFIG["repository"]["url"].removeprefix("https://github.com/")
 
 def colab_url(entry: str) -> str:
     return f"https://colab.research.google.com/github/{REPOSITORY}/blob/main/{entry}.ipynb"
+
+
+def screenshot_path(page: str):
+    return SCREENSHOTS / (page.replace("/", "__").removesuffix(".html") + ".jpg")
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +55,7 @@ def browser():
     except ImportError:
         executable = None
     if executable is None:
-        if os.environ.get("CI"):
+        if in_ci():
             pytest.fail(f"CI must run the browser test, but {bc.HOW_TO_ENABLE}")
         pytest.skip(bc.HOW_TO_ENABLE)
     with bc.chromium(executable) as chromium:
@@ -55,10 +68,8 @@ def base_url(site):
         yield url
 
 
-def inspect_site(browser, base_url, pages, screenshots=None):
-    return {page: bc.inspect_page(browser, base_url + page,
-                                  screenshots / (page.replace("/", "__").removesuffix(".html") + ".jpg")
-                                  if screenshots else None)
+def inspect_site(browser, base_url, pages, screenshots=False):
+    return {page: bc.inspect_page(browser, base_url + page, screenshot_path(page) if screenshots else None)
             for page in pages}
 
 
@@ -66,29 +77,38 @@ def inspect_site(browser, base_url, pages, screenshots=None):
 def reports(browser, base_url):
     if SCREENSHOTS.exists():
         shutil.rmtree(SCREENSHOTS)
-    return inspect_site(browser, base_url, [f"{e}.html" for e in ENTRIES] + EXTRA_PAGES, SCREENSHOTS)
+    return inspect_site(browser, base_url, [f"{e}.html" for e in ENTRIES] + EXTRA_PAGES, screenshots=True)
 
 
-def expectations(base_url, index):
-    entry = ENTRIES[index]
+def expectations(base_url, entry):
+    index = ENTRIES.index(entry)
     nb = nbformat.read(ROOT / f"{entry}.ipynb", as_version=4)
-    return dict(expected=bc.expected_content(nb), colab=colab_url(entry),
+    return dict(expected=bc.expected_content(nb), colab=[colab_url(entry)],
                 previous=base_url + ENTRIES[index - 1] + ".html" if index > 0 else None,
                 next_=base_url + ENTRIES[index + 1] + ".html" if index + 1 < len(ENTRIES) else None)
 
 
-@pytest.mark.parametrize("index", range(len(ENTRIES)), ids=lambda i: ENTRIES[i].removeprefix("book/"))
-def test_page_in_the_browser(reports, base_url, index):
-    report = reports[f"{ENTRIES[index]}.html"]
-    assert bc.page_problems(report, **expectations(base_url, index)) == []
-    assert (SCREENSHOTS / f"{ENTRIES[index].replace('/', '__')}.jpg").stat().st_size > 0
+def test_every_built_page_is_opened(site):
+    built = {p.relative_to(site).as_posix() for p in site.rglob("*.html") if "_static" not in p.parts}
+    assert built == {f"{e}.html" for e in ENTRIES} | set(EXTRA_PAGES)
 
 
-@pytest.mark.parametrize("page", EXTRA_PAGES)
-def test_site_page_in_the_browser(reports, base_url, page):
-    assert bc.page_problems(reports[page], None, None, None, None) == []
-    if page == "index.html":
-        assert reports[page].redirect == f"{base_url}{ENTRIES[0]}.html"
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.removeprefix("book/"))
+def test_page_in_the_browser(reports, base_url, entry):
+    assert bc.page_problems(reports[f"{entry}.html"], **expectations(base_url, entry)) == []
+    assert screenshot_path(f"{entry}.html").stat().st_size > 10_000
+
+
+def test_index_forwards_to_the_front_page(reports, base_url):
+    report = reports["index.html"]
+    assert report.redirect == f"{base_url}{ENTRIES[0]}.html"
+    assert report.problems == [] and report.math == report.typeset
+
+
+@pytest.mark.parametrize("page", ["search.html", "genindex.html"])
+def test_site_page_in_the_browser(reports, page):
+    assert bc.page_problems(reports[page], None, [], None, None) == []
+    assert screenshot_path(page).stat().st_size > 0
 
 
 def test_no_internal_link_is_broken(reports):
@@ -98,21 +118,41 @@ def test_no_internal_link_is_broken(reports):
     assert sum(len(r.links) for r in reports.values()) > 100  # the check saw the site's links
 
 
-def test_the_site_has_plots_and_typeset_math(reports):
-    """Guards against the per-page checks passing vacuously."""
-    assert sum(r.images for r in reports.values()) >= 10
+def test_the_checks_had_something_to_check(reports):
+    """The per-page checks must not pass vacuously: the site has plots, math and cells."""
+    notebooks = [nbformat.read(ROOT / f"{e}.ipynb", as_version=4) for e in ENTRIES]
+    plots = sum(bc.expected_content(nb)["plots"] for nb in notebooks)
+    assert plots >= 10 and sum(r.plots for r in reports.values()) >= plots
     assert sum(r.typeset for r in reports.values()) >= 100
+    assert sum(r.cells for r in reports.values()) >= 200
 
 
-@pytest.mark.parametrize("entry", ENTRIES[1:], ids=lambda e: e.removeprefix("book/"))
-def test_search_finds_the_page_by_a_word_of_its_title(browser, base_url, entry):
-    title = next(line for line in (ROOT / f"{entry}.md").read_text().splitlines() if line.startswith("# "))
-    word = max(re.findall(r"[A-Za-z]{3,}", title), key=len)
-    assert f"{entry}.html" in bc.search(browser, base_url, word), f"searching for {word!r}"
+def unique_words() -> dict[str, str]:
+    """For each page, the most frequent word of its prose (not code, math or links) that no other page uses."""
+    words = {}
+    for entry in ENTRIES:
+        prose = " ".join(c.source for c in jupytext.read(ROOT / f"{entry}.md").cells if c.cell_type == "markdown")
+        prose = re.sub(r"`[^`]*`|\$[^$]*\$|\]\([^)]*\)|\{[a-z]+\}", " ", prose)
+        words[entry] = collections.Counter(w.lower() for w in re.findall(r"\b[A-Za-z]{6,}\b", prose))
+    chosen = {}
+    for entry, counts in words.items():
+        others = set().union(*(set(c) for e, c in words.items() if e != entry))
+        unique = [(n, w) for w, n in counts.items() if w not in others]
+        chosen[entry] = max(unique)[1]
+    return chosen
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.removeprefix("book/"))
+def test_search_finds_the_page_by_a_word_only_it_uses(browser, base_url, entry):
+    word = unique_words()[entry]
+    report = bc.search(browser, base_url, word)
+    assert report.problems == []
+    assert f"{entry}.html" in report.results, f"searching for {word!r} found {report.results}"
 
 
 def test_search_finds_nothing_for_a_word_not_in_the_book(browser, base_url):
-    assert bc.search(browser, base_url, "xylophonically") == []
+    report = bc.search(browser, base_url, "xylophonically")
+    assert report.problems == [] and report.results == []
 
 
 # --- the checks catch what they guard -------------------------------------------------------
@@ -120,41 +160,65 @@ def test_search_finds_nothing_for_a_word_not_in_the_book(browser, base_url):
 def test_a_broken_site_is_caught(browser, site, tmp_path):
     broken = tmp_path / "html"
     shutil.copytree(site, broken)
+    by_number = {e.split("/")[-1][:2]: e for e in ENTRIES if not e.endswith("run_it")}
 
-    def edit(entry, old, new, count=1):
-        path = broken / f"{entry}.html"
+    def edit(number, old, new):
+        path = broken / f"{by_number[number]}.html"
         text = path.read_text()
-        assert old in text, (entry, old)
-        path.write_text(text.replace(old, new, count))
+        assert old in text, (number, old)
+        path.write_text(text.replace(old, new, 1))
 
-    chapters = [e for e in ENTRIES if e.split("/")[-1][:2] in ("01", "02", "03", "04", "05", "06")]
-    ch1, ch2, ch3, ch4, ch5, ch6 = chapters
-    # 1. a missing image
-    image = re.search(r'src="\.\./(_images/[^"]+\.png)"', (broken / f"{ch2}.html").read_text()).group(1)
+    # 01: MathJax does not load
+    edit("01", "mathjax/tex-chtml-full.js", "mathjax/tex-chtml-missing.js")
+    # 02: a plot's image file is missing
+    image = re.search(r'src="\.\./(_images/[^"]+\.png)"', (broken / f"{by_number['02']}.html").read_text()).group(1)
     (broken / image).unlink()
-    # 2. a wrong Colab link (the notebook on another branch)
-    edit(ch3, f"/blob/main/{ch3}.ipynb", f"/blob/master/{ch3}.ipynb")
-    # 3. untypeset math: TeX that MathJax cannot parse, and a page whose MathJax does not load
-    edit(ch4, '<span class="math notranslate nohighlight">', '<span class="math notranslate nohighlight">\\(\\frac{1}{\\)</span>'
-         '<span class="math notranslate nohighlight">')
-    edit(ch1, "mathjax/tex-chtml-full.js", "mathjax/tex-chtml-missing.js")
-    # 4. broken links: a missing page and a missing anchor
-    edit(ch5, "<h1>", '<a href="06_error_galery.html">x</a><a href="02_jacobians_hessians.html#no-such-part">y</a><h1>')
-    # 5. a page that fetches a script from the network
-    edit(ch6, "</head>", '<script src="https://cdn.example.org/lib.js"></script></head>')
+    # 03: the Colab button opens the notebook on another branch
+    edit("03", f"/blob/main/{by_number['03']}.ipynb", f"/blob/master/{by_number['03']}.ipynb")
+    # 04: TeX that MathJax cannot parse, and a macro it does not know
+    math_span = '<span class="math notranslate nohighlight">'
+    edit("04", math_span, math_span + "\\(\\frac{1}{\\)</span>" + math_span + "\\(\\nosuchmacro{x}\\)</span>" + math_span)
+    # 05: two broken links, a missing page and a missing anchor (found by the link check)
+    edit("05", "<h1>", '<a href="06_error_galery.html">x</a><a href="02_jacobians_hessians.html#no-such-part">y</a><h1>')
+    # 06: a script from the network, and a script that logs an error
+    edit("06", "</head>", '<script src="https://cdn.example.org/lib.js"></script>'
+                          '<script>console.error("something broke")</script></head>')
+    # 07: its only plot is gone from the page
+    edit("07", '<img alt="../_images/', '<span alt="../_images/')
+    # 08: outputs hidden by a stray style
+    edit("08", "</head>", "<style>div.cell_output { display: none }</style></head>")
+    # 02 again: a folded (hide-cell) cell shown open
+    edit("02", '<details class="admonition hide above-input"', '<details open class="admonition hide above-input"')
+    # 00 (front page): 'next' points at the wrong page
+    edit("00", 'class="right-next"\n       href="00_run_it.html"', 'class="right-next"\n       href="09_glossary.html"')
 
+    pages = [f"{e}.html" for e in ENTRIES]
     with bc.serve(broken) as url:
-        reports = inspect_site(browser, url, [f"{e}.html" for e in chapters])
-        problems = {entry: "\n".join(bc.page_problems(reports[f"{entry}.html"], **expectations(url, ENTRIES.index(entry))))
-                    for entry in chapters}
-        links = bc.LinkChecker().problems(ch5, reports[f"{ch5}.html"].links)
+        reports = inspect_site(browser, url, pages)
+        problems = {e: bc.page_problems(reports[f"{e}.html"], **expectations(url, e)) for e in ENTRIES}
+        links = bc.LinkChecker().problems(by_number["05"], reports[f"{by_number['05']}.html"].links)
 
-    assert f"image did not load: ../{image}" in problems[ch2] and "HTTP 404" in problems[ch2]
-    assert "Colab link(s)" in problems[ch3] and "/blob/master/" in problems[ch3]
-    assert "math not typeset: 1 of" in problems[ch4]
-    assert "MathJax did not load" in problems[ch1] and "tex-chtml-missing.js" in problems[ch1]
-    assert any("06_error_galery.html gives HTTP 404" in p for p in links)
-    assert any("no element with id 'no-such-part'" in p for p in links)
-    assert "request leaves the site (it must read offline): https://cdn.example.org/lib.js" in problems[ch6]
-    # and nothing else was reported broken on the pages left alone, nor on ch5 apart from its links
-    assert problems[ch5] == ""
+    def only(entry, *expected):
+        """The page's problems are exactly these, each given by the start of its message."""
+        got = problems[entry]
+        assert len(got) == len(expected) and all(g.startswith(e) for g, e in zip(sorted(got), sorted(expected))), got
+
+    missing_mathjax = f"{url}_static/mathjax/tex-chtml-missing.js"
+    only(by_number["01"], f"HTTP 404: {missing_mathjax}", "console error: Failed to load resource",
+         f"failed to load {missing_mathjax}", "MathJax did not load", "math not typeset: ")
+    only(by_number["02"], f"HTTP 404: {url}{image}", "console error: Failed to load resource",
+         f"image did not load: ../{image}", "cells_visible: the page has ", "outputs_visible: the page has ")
+    only(by_number["03"], "Colab link(s) ['https://colab.research.google.com/github/", )
+    assert "/blob/master/" in problems[by_number["03"]][0]
+    only(by_number["04"], "math not typeset: 2 of ")
+    only(by_number["05"])  # its page is fine to the eye; the link check finds the two links
+    assert sorted(links) == [f"{by_number['05']}: link to {url}book/02_jacobians_hessians.html#no-such-part: "
+                             "no element with id 'no-such-part'",
+                             f"{by_number['05']}: link to {url}book/06_error_galery.html gives HTTP 404"]
+    only(by_number["06"], "request leaves the site (it must read offline): https://cdn.example.org/lib.js",
+         "console error: Failed to load resource", "console error: something broke")
+    only(by_number["07"], "plots: the page has 0, the notebook 1")
+    only(by_number["08"], "outputs_visible: the page has 0, the notebook ")
+    only(by_number["00"], f"'next' link {url}book/09_glossary.html, expected {url}book/00_run_it.html")
+    for untouched in [e for e in ENTRIES if e.endswith(("run_it", "09_glossary"))]:
+        only(untouched)
