@@ -3,9 +3,10 @@ driven by Playwright, against the site served on 127.0.0.1.
 
 `inspect_page` opens one page and returns what a reader would meet there: console errors,
 requests that fail or leave the machine, images that did not load, mathematics MathJax did not
-typeset, how many code cells and outputs are on the page and visible, the Colab links, the
-previous/next links and every internal link. tests/test_browser.py turns that into assertions,
-on the real site and on a deliberately broken copy.
+typeset, how many code cells and outputs are on the page and visible, the Colab links and the
+previous/next links. tests/test_browser.py turns that into assertions, on the real site and on
+a deliberately broken copy. (Internal links and anchors are checked on the built files by
+bookcheck.link_problems, in tests/test_site.py.)
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import re
 import shutil
 import sys
 import threading
-import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
@@ -78,7 +78,6 @@ def chromium(executable: str):
 class PageReport:
     url: str
     problems: list[str] = field(default_factory=list)  # console errors, failed or outside requests, broken images
-    images: int = 0             # every <img> on the page (the theme's logos included)
     plots: int = 0              # images inside cell outputs: the notebook's figures
     math: int = 0               # elements holding TeX on the page
     typeset: int = 0            # of those, how many MathJax rendered without an error
@@ -89,7 +88,6 @@ class PageReport:
     colab: list[str] = field(default_factory=list)
     previous: str | None = None
     next: str | None = None
-    links: list[str] = field(default_factory=list)  # internal links, absolute
     redirect: str | None = None  # where a <meta http-equiv="refresh"> page sent the browser
     results: list[str] = field(default_factory=list)  # on a search page: the pages listed
 
@@ -128,13 +126,12 @@ _CONTENT = """() => {
   const outputs = Array.from(document.querySelectorAll("div.cell div.cell_output"));
   const hrefs = sel => Array.from(document.querySelectorAll(sel), a => a.href);
   return {
-    images: document.images.length, plots: document.querySelectorAll("div.cell_output img").length,
+    plots: document.querySelectorAll("div.cell_output img").length,
     cells: inputs.length, cells_visible: inputs.filter(shown).length,
     outputs: outputs.length, outputs_visible: outputs.filter(shown).length,
     colab: hrefs('a[href*="colab.research.google.com"]'),
     previous: hrefs(".prev-next-area a.left-prev")[0] || null,
     next: hrefs(".prev-next-area a.right-next")[0] || null,
-    links: hrefs("a[href]"),
   };
 }"""
 
@@ -194,7 +191,6 @@ def inspect_page(browser, url: str, screenshot: Path | None = None) -> PageRepor
             problems.append(math_error)
         for key, value in page.evaluate(_CONTENT).items():
             setattr(report, key, value)
-        report.links = sorted({link for link in report.links if link.startswith(origin + "/")})
         if "search.html?q=" in url:
             page.wait_for_function(SEARCH_FINISHED, timeout=20_000)
             report.results = sorted({urllib.parse.urlsplit(h).path.lstrip("/") for h in page.evaluate(_SEARCH_RESULTS)})
@@ -210,44 +206,6 @@ def inspect_page(browser, url: str, screenshot: Path | None = None) -> PageRepor
 def search(browser, base: str, word: str) -> PageReport:
     """Search the site for `word` on its own search page; `results` lists the pages found."""
     return inspect_page(browser, f"{base}search.html?q={urllib.parse.quote(word)}")
-
-
-_IDS = re.compile(r"""(?<![\w-])id=["']([^"']+)["']|<a\s[^>]*?(?<![\w-])name=["']([^"']+)["']""")
-
-
-class LinkChecker:
-    """Fetches each internal link's target once from the running server; checks anchors too.
-
-    A link to a folder must reach the folder's index.html (a static host gives 404 otherwise).
-    """
-
-    def __init__(self):
-        self._pages: dict[str, tuple[int, set[str]]] = {}
-
-    def _fetch(self, url: str) -> tuple[int, set[str]]:
-        url = url + "index.html" if url.endswith("/") else url
-        if url not in self._pages:
-            try:
-                with urllib.request.urlopen(url, timeout=10) as response:
-                    body = response.read().decode("utf-8", "replace") if url.endswith(".html") else ""
-                    ids = {a or b for a, b in _IDS.findall(body)}
-                    self._pages[url] = (response.status, ids)
-            except urllib.error.HTTPError as error:
-                with error:
-                    self._pages[url] = (error.code, set())
-        return self._pages[url]
-
-    def problems(self, page_url: str, links: list[str]) -> list[str]:
-        found = []
-        for link in links:
-            parts = urllib.parse.urlsplit(link)
-            target, anchor = f"{parts.scheme}://{parts.netloc}{parts.path}", parts.fragment
-            status, ids = self._fetch(target)
-            if status != 200:
-                found.append(f"{page_url}: link to {link} gives HTTP {status}")
-            elif anchor and target.endswith((".html", "/")) and urllib.parse.unquote(anchor) not in ids:
-                found.append(f"{page_url}: link to {link}: no element with id {anchor!r}")
-        return found
 
 
 # --- what each page must show --------------------------------------------------------------
