@@ -89,6 +89,8 @@ def test_per_sample_grads(recipes, name):
     expected = loop_per_sample(model, x, TARGETS)
     got = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS)
     assert all(close(got[k], expected[k]) for k in expected)
+    general = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, path="general")
+    assert all(close(general[k], expected[k]) for k in expected)
     chunked = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, chunk_size=2)
     assert all(close(chunked[k], expected[k]) for k in expected)
 
@@ -98,7 +100,8 @@ def test_output_jacobians_and_ntk(recipes, name):
     model, x = ZOO[name]
     expected = loop_output_jacobian(model, x)
     assert close(recipes["output_jacobian"](model, x), expected)
-    assert close(recipes["fast_output_jacobian"](model, x), expected)
+    assert close(recipes["output_jacobian"](model, x, chunk_size=2), expected)
+    assert close(recipes["output_jacobian"](model, x, path="general"), expected)
     pieces = recipes["split_by_parameter"](expected, model)
     assert list(pieces) == [n for n, p in model.named_parameters() if p.requires_grad]
     assert all(piece.shape[2:] == p.shape for piece, p in zip(pieces.values(), model.parameters()))
