@@ -13,10 +13,11 @@ READY  := $(VENV)/.requirements-installed
 
 .PHONY: site test outputs recipe-box clean
 
-$(READY): requirements.txt
+$(READY): requirements.txt requirements-nodeps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
 	touch $(READY)
 
 site: $(READY)
