@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import html.parser
+import os
 import re
 import sys
 import urllib.parse
@@ -114,11 +115,20 @@ def execution_problems(nb_path: Path) -> list[str]:
 
 # --- self-contained notebooks ----------------------------------------------------------------
 
+def _repository_python_files(root: Path) -> list[Path]:
+    """The .py files of the repository, leaving out virtual environments (.venv, .venv-torch-2.14.1, venv)."""
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [d for d in subfolders if not d.startswith((".venv", "venv", ".git"))]
+        found += [Path(folder) / name for name in files if name.endswith(".py")]
+    return found
+
+
 def local_import_problems(nb_path: Path, root: Path = ROOT) -> list[str]:
     """Imports of anything that is not installed, such as a module that lives in this repository."""
     nb = nbformat.read(nb_path, as_version=4)
     problems = []
-    local_names = {p.stem for p in root.rglob("*.py") if ".venv" not in p.parts} | {
+    local_names = {p.stem for p in _repository_python_files(root)} | {
         p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
     }
     for index, cell in enumerate(nb.cells):
