@@ -8,6 +8,7 @@
 #   make nbval                                 only the notebooks: pytest --nbval book
 #   make outputs [NB=book/01_vmap_basics.md]   re-execute notebooks and store their outputs
 #   make recipe-box                            regenerate book/08_recipe_box.md from the chapters' recipe cells
+#   make shared                                copy book/_shared/*.py into the notebook cells tagged shared-<name>
 #
 # Another torch release, in its own environment (.venv-torch-<release>), by one variable:
 #
@@ -43,7 +44,7 @@ TORCH_UPGRADE :=
 READY_DEPS    :=
 endif
 
-.PHONY: env site test nbval outputs recipe-box clean FORCE
+.PHONY: env site test nbval outputs recipe-box shared clean FORCE
 
 # torch first (so that TORCH_INDEX applies to it alone), then the rest with torch held to the
 # same release, so that nothing in requirements.txt can move it; then BackPACK and curvlinops
@@ -85,3 +86,6 @@ clean:
 	rm -rf _build
 
 FORCE:
+
+shared: $(READY)
+	$(PY) .ci/build_shared.py

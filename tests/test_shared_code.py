@@ -1,0 +1,46 @@
+"""Code that several notebooks need lives once in book/_shared/ and is copied by .ci/build_shared.py."""
+import importlib.util
+import shutil
+
+import jupytext
+
+from bookcheck import BOOK, ROOT
+
+spec = importlib.util.spec_from_file_location("build_shared", ROOT / ".ci" / "build_shared.py")
+build = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(build)
+
+
+def test_every_copy_matches_its_source():
+    stale = build.sync(write=False)
+    assert not stale, "run: python .ci/build_shared.py; stale copies: " + ", ".join(stale)
+
+
+def test_every_shared_file_is_used_and_every_copy_is_folded():
+    used = set()
+    for path in sorted(BOOK.glob("*.md")):
+        for cell in jupytext.read(path).cells:
+            name = build.shared_name(cell)
+            if name:
+                used.add(name)
+                tags = cell.metadata.get("tags", [])
+                assert "hide-input" in tags or "hide-cell" in tags, f"{path.name}: shared-{name} is not folded"
+    assert used == set(build.shared_sources()), "unused files in book/_shared/: " + str(set(build.shared_sources()) - used)
+
+
+def test_drift_is_detected(tmp_path):
+    """Edit one copy in a scratch book: --check names exactly that cell, and sync repairs it."""
+    (tmp_path / "book").mkdir()
+    shutil.copytree(BOOK / "_shared", tmp_path / "book" / "_shared")
+    for path in list(BOOK.glob("*.md")) + list(BOOK.glob("*.ipynb")):
+        shutil.copy(path, tmp_path / "book" / path.name)
+    target = next(p for p in sorted((tmp_path / "book").glob("*.md"))
+                  if any(build.shared_name(c) for c in jupytext.read(p).cells))
+    notebook = jupytext.read(target)
+    cell = next(c for c in notebook.cells if build.shared_name(c))
+    cell.source = cell.source.replace("import torch", "import torch  # edited by hand", 1)
+    jupytext.write(notebook, target, fmt="md:myst")
+    stale = build.sync(tmp_path, write=False)
+    assert len(stale) == 1 and stale[0].startswith(f"book/{target.name}: cell")
+    build.sync(tmp_path, write=True)
+    assert build.sync(tmp_path, write=False) == []
