@@ -35,15 +35,3 @@ def test_drift_is_detected(tmp_path, monkeypatch):
     assert build.render() != build.BOX.read_text()
     changed = [source for _, _, source in build.recipe_cells() if "return 2 * jvp" in source]
     assert len(changed) == 1 and "def hvp" in changed[0]
-
-
-def test_chapter_4_repeats_chapter_3s_trace_unchanged():
-    """Chapter 4 carries a copy of Chapter 3's trace (notebooks run alone in Colab): it must not drift."""
-    def trace_cell(name, tag):
-        cells = [c.source for c in jupytext.read(BOOK / name).cells
-                 if c.cell_type == "code" and "class _BatchTrace" in c.source and tag in c.metadata.get("tags", [])]
-        assert len(cells) == 1, name
-        return cells[0]
-    original = trace_cell("03_per_sample_gradients.md", "recipe")
-    copy = trace_cell("04_output_jacobians.md", "hide-input")
-    assert copy == "# The trace of Chapter 3 (per-sample gradients), unchanged.\n" + original

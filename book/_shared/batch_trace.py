@@ -1,0 +1,293 @@
+from typing import NamedTuple
+
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class PathReport(NamedTuple):
+    """Which path a recipe call took ("fast" or "general"), and why."""
+    path: str
+    reason: str
+
+
+class _NotPerExample(Exception):
+    """Raised inside the trace at the first operation the fast path cannot vouch for."""
+
+
+class _BatchTrace(TorchDispatchMode):
+    """Follows the examples through every ATen operation of one forward pass.
+
+    A tensor is 'batched' with r rows per example when its dimension 0 has B*r rows and rows
+    [n*r, (n+1)*r) are computed from example n alone. Every operation must keep that true (an
+    allow-list of rules, below); anything else stops the trace. Trainable parameters may be used
+    only as the weight or bias of one linear or convolution operation each, whose input and output
+    are recorded for the per-example products."""
+
+    aten = torch.ops.aten
+    ROW_PRESERVING = {  # reshapes and copies: the logical order of elements is kept
+        aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default,
+        aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+        aten.unsqueeze.default, aten.alias.default, aten.detach.default, aten.clone.default,
+        aten.contiguous.default, aten._to_copy.default, aten.lift_fresh.default}
+    PER_ROW = {  # operations that treat every row of dimension 0 on its own
+        aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool2d_with_indices.default,
+        aten.max_pool3d_with_indices.default, aten.avg_pool1d.default, aten.avg_pool2d.default,
+        aten.avg_pool3d.default, aten._adaptive_avg_pool2d.default, aten.adaptive_max_pool2d.default,
+        aten.native_dropout.default, aten.reflection_pad1d.default, aten.reflection_pad2d.default,
+        aten.replication_pad1d.default, aten.replication_pad2d.default, aten.upsample_nearest2d.default,
+        aten.upsample_bilinear2d.default}
+    BY_DIM = {  # operations along `dim`, which must not be the batch dimension
+        aten._softmax.default, aten._log_softmax.default, aten.sum.dim_IntList, aten.mean.dim, aten.amax.default,
+        aten.amin.default, aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default,
+        aten.logsumexp.default, aten.var.correction, aten.std.correction, aten.var_mean.correction,
+        aten.prod.dim_int, aten.linalg_vector_norm.default, aten.cumsum.default, aten.select.int,
+        aten.slice.Tensor, aten.narrow.default, aten.index_select.default, aten.split.Tensor,
+        aten.split_with_sizes.default, aten.unbind.int, aten.cat.default, aten.stack.default, aten.gather.default,
+        aten.sort.default, aten.topk.default, aten.transpose.int, aten.permute.default}
+    CONSTANT_RESULT = {  # results that do not depend on the values of their tensor arguments
+        aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+        aten.rand_like.default, aten.randn_like.default, aten.new_zeros.default, aten.new_ones.default,
+        aten.new_empty.default, aten.new_full.default}
+
+    def __init__(self, batch, inputs, trainable):
+        super().__init__()
+        self.batch, self.rows, self.keep = batch, {id(inputs): 1}, [inputs]
+        self.trainable = {id(p): name for name, p in trainable.items()}
+        self.transposed = {}  # id(weight.t()) -> name of the weight
+        self.layers = []      # dicts: kind, weight, bias (names or None), a, z, r, conv arguments
+        self.used = set()
+        self.failure = None
+        self.unknown = set()
+
+    def fail(self, why):
+        self.failure = why
+        raise _NotPerExample(why)
+
+    def r_of(self, t):
+        return self.rows.get(id(t)) if isinstance(t, torch.Tensor) else None
+
+    def param_of(self, t):
+        return self.trainable.get(id(t)) if isinstance(t, torch.Tensor) else None
+
+    def use(self, name, func):
+        if name is None:
+            return None
+        if name in self.used:
+            self.fail(f"parameter {name} is used twice (by {func} again)")
+        self.used.add(name)
+        return name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        self.keep.append(result)
+        flat_args = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if any(id(a) in self.unknown for a in flat_args):
+            self.fail(f"{func} uses a side result whose rows are not the examples")
+        rs = {self.r_of(a) for a in flat_args} - {None}
+        params = [self.param_of(a) for a in flat_args if self.param_of(a) is not None]
+        transposed = [self.transposed[id(a)] for a in flat_args if id(a) in self.transposed]
+        for schema_arg, value in zip(func._schema.arguments, args):
+            if schema_arg.alias_info is not None and schema_arg.alias_info.is_write and isinstance(value, torch.Tensor):
+                if self.param_of(value) is not None:
+                    self.fail(f"{func} writes into parameter {self.param_of(value)}")
+                if rs and self.r_of(value) is None:
+                    self.fail(f"{func} writes example data into a tensor that held none")
+        if not rs and not params and not transposed:
+            return result  # nothing to do with the examples or the trainable parameters
+        if len(rs) > 1:
+            self.fail(f"{func} combines tensors with different numbers of rows per example")
+        r = rs.pop() if rs else None
+        out_r = self.rule(func, args, kwargs, result, r, params, transposed)
+        for t in tree_flatten(result)[0]:
+            if isinstance(t, torch.Tensor) and out_r is not None:
+                if t.dim() == 0 or t.shape[0] != self.batch * out_r:
+                    self.unknown.add(id(t))  # a side result (e.g. saved statistics): must not be used
+                else:
+                    self.rows[id(t)] = out_r
+        return result
+
+    def rule(self, func, args, kwargs, result, r, params, transposed):
+        B = self.batch
+        if func in (self.aten.t.default, self.aten.transpose.int, self.aten.permute.default) and params and r is None:
+            if len(params) == 1 and args[0].dim() == 2:  # weight.t() on the way to a linear layer
+                self.transposed[id(result)] = params[0]
+                return None
+        if func in (self.aten.addmm.default, self.aten.mm.default) and transposed:
+            bias_arg, a, wt = (args[0], args[1], args[2]) if func is self.aten.addmm.default else (None, args[0], args[1])
+            weight = self.transposed.get(id(wt))
+            bias = self.param_of(bias_arg)
+            if weight is None or self.r_of(a) is None or (bias_arg is not None and bias is None and self.r_of(bias_arg) is not None):
+                self.fail(f"{func} uses a transposed parameter in an unexpected place")
+            if func is self.aten.addmm.default and (bias_arg.dim() != 1 or kwargs or any(
+                    not (isinstance(v, (int, float)) and v == 1) for v in args[3:])):
+                self.fail(f"{func} scales or broadcasts its terms unusually")
+            self.layers.append(dict(kind="linear", weight=self.use(weight, func), bias=self.use(bias, func),
+                                    a=args[1] if bias_arg is not None else args[0], z=result, r=self.r_of(a),
+                                    versions=(a._version, result._version)))
+            return self.r_of(a)
+        if func is self.aten.addmm.default and params == [self.param_of(args[0])] and not transposed:
+            a = args[1]  # a frozen weight with a trainable bias
+            if self.r_of(a) is None or self.r_of(args[2]) is not None or args[0].dim() != 1 or kwargs or any(
+                    not (isinstance(v, (int, float)) and v == 1) for v in args[3:]):
+                self.fail(f"{func} uses parameter {params[0]} in a way the fast path does not know")
+            self.layers.append(dict(kind="linear", weight=None, bias=self.use(params[0], func), a=a, z=result,
+                                    r=self.r_of(a), versions=(a._version, result._version)))
+            return self.r_of(a)
+        if func is self.aten.convolution.default:
+            a, w, b, stride, padding, dilation, transposed_conv, output_padding, groups = args
+            weight, bias = self.param_of(w), self.param_of(b)
+            if r is None or self.r_of(a) != 1 or self.r_of(w) is not None or self.r_of(b) is not None:
+                self.fail(f"{func}: only the input may carry example data")
+            if weight or bias:
+                if transposed_conv or groups != 1 or a.dim() not in (3, 4):
+                    self.fail(f"{func}: transposed, grouped or 3-D convolutions are not on the fast path")
+                self.layers.append(dict(kind="conv", weight=self.use(weight, func), bias=self.use(bias, func),
+                                        a=a, z=result, r=1, stride=stride, padding=padding, dilation=dilation,
+                                        weight_shape=w.shape, versions=(a._version, result._version)))
+            return 1
+        if params or transposed:
+            self.fail(f"{func} uses parameter {(params + transposed)[0]} in a way the fast path does not know")
+        if r is None:  # derived from constants only
+            return None
+        out = tree_flatten(result)[0]
+        if func in self.CONSTANT_RESULT:
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    self.rows.pop(id(t), None)
+            return None
+        if torch.Tag.pointwise in func.tags or func in self.PER_ROW:
+            if any(self.r_of(a) is not None and a.dim() != out[0].dim() for a in tree_flatten(args)[0]):
+                self.fail(f"{func} broadcasts example data along another dimension")
+            return r
+        if func in self.ROW_PRESERVING:
+            t = out[0]
+            if t.numel() != args[0].numel() or t.dim() == 0 or t.shape[0] % B:
+                self.fail(f"{func} reshapes the batch dimension away")
+            return t.shape[0] // B
+        if func is self.aten.expand.default:
+            if args[0].dim() != out[0].dim() or out[0].shape[0] != args[0].shape[0]:
+                self.fail(f"{func} expands along the batch dimension")
+            return r
+        if func in self.BY_DIM:
+            dims = self.dims_of(func, args, kwargs)
+            if dims is None or 0 in dims:
+                self.fail(f"{func} works along the batch dimension (dim={dims})")
+            return r
+        if func in (self.aten.mm.default, self.aten.addmm.default, self.aten.bmm.default, self.aten.baddbmm.default):
+            mats = args[1:3] if func in (self.aten.addmm.default, self.aten.baddbmm.default) else args[:2]
+            if func in (self.aten.mm.default, self.aten.addmm.default) and self.r_of(mats[1]) is not None:
+                self.fail(f"{func} multiplies by a matrix that holds example data")
+            if func in (self.aten.addmm.default, self.aten.baddbmm.default) and self.r_of(args[0]) is not None and args[0].dim() != out[0].dim():
+                self.fail(f"{func} broadcasts example data")
+            if self.r_of(mats[0]) is None and func in (self.aten.mm.default, self.aten.addmm.default):
+                self.fail(f"{func} multiplies example data from the right")
+            return r
+        if func is self.aten.native_layer_norm.default:
+            if len(args[1]) >= args[0].dim():
+                self.fail(f"{func} normalises over the batch dimension")
+            return r
+        if func is self.aten.native_group_norm.default or func is self.aten._native_batch_norm_legit_no_training.default:
+            return r
+        if "batch_norm" in func.name() and self.values_of(func, args, kwargs).get("training") is False:
+            return r  # running statistics: each example normalised on its own
+        if func is self.aten.embedding.default:
+            return r
+        self.fail(f"{func} is not on the fast path's list of operations")
+
+    @staticmethod
+    def values_of(func, args, kwargs):
+        values = {}
+        for i, a in enumerate(func._schema.arguments):
+            if i < len(args):
+                values[a.name] = args[i]
+            elif a.name in kwargs:
+                values[a.name] = kwargs[a.name]
+            elif a.has_default_value():
+                values[a.name] = a.default_value
+        return values
+
+    @classmethod
+    def dims_of(cls, func, args, kwargs):
+        self = cls
+        values = cls.values_of(func, args, kwargs)
+        first = values.get("self", values.get("tensors", [None])[0] if "tensors" in values else None)
+        ndim = first.dim() + (1 if func is self.aten.stack.default else 0)
+        if func is self.aten.permute.default:
+            return [0] if values["dims"][0] % ndim else [1]  # only moving dimension 0 matters
+        if func is self.aten.transpose.int:
+            return [values["dim0"] % ndim, values["dim1"] % ndim]
+        dims = values.get("dim")
+        if dims is None:
+            return None
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        return [d % ndim for d in dims] or None  # an empty list reduces over every dimension
+
+
+def _check_model(model, inputs):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
+        raise TypeError("inputs must be a tensor with the examples along dimension 0")
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and (module.training or module.running_mean is None):
+            raise ValueError(f"{name or 'the model'} ({type(module).__name__}) normalises with the statistics of the "
+                             "batch it sees, so no example has a gradient of its own; use running statistics "
+                             "(model.eval() after training with them), or GroupNorm/LayerNorm")
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if not trainable:
+        raise ValueError("the model has no parameters that require grad")
+    return trainable
+
+
+def _fast_path_screen(model, trainable):
+    """Reasons, known before running anything, why the fast path cannot apply (None if it may)."""
+    owners = {id(p): (module, name) for module in model.modules() for name, p in module._parameters.items() if p is not None}
+    for full_name, p in trainable.items():
+        module, short = owners[id(p)]
+        if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)) or short not in ("weight", "bias"):
+            return f"parameter {full_name} belongs to {type(module).__name__}, not to a linear or convolution layer"
+    for name, module in model.named_modules():
+        if module._backward_hooks or module._backward_pre_hooks:
+            return f"{name or 'the model'} has a backward hook"
+    if nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks:
+        return "a global module backward hook is registered"
+    return None
+
+
+def _traced_forward(model, inputs, trainable):
+    """Runs model(inputs) under the trace. Returns (output, layers, None) or (None, None, reason)."""
+    tracer = _BatchTrace(inputs.shape[0], inputs, trainable)
+    try:
+        with tracer:
+            output = model(inputs)
+    except _NotPerExample as stop:
+        return None, None, str(stop)
+    if getattr(tracer, "failure", None):  # the model's forward caught the trace's exception
+        return None, None, tracer.failure
+    if not isinstance(output, torch.Tensor) or tracer.r_of(output) != 1:
+        return None, None, "the model's output is not one tensor with the examples along dimension 0"
+    unused = [name for name in trainable if name not in tracer.used]
+    if unused:
+        return None, None, f"parameter {unused[0]} is not used as the weight or bias of a linear or convolution operation"
+    for layer in tracer.layers:
+        if (layer["a"]._version, layer["z"]._version) != layer["versions"]:
+            return None, None, f"an in-place operation changed the input or output of the layer of {layer['weight'] or layer['bias']}"
+    return output, tracer.layers, None
+
+
+def _im2col(layer, a, delta):
+    """The patches each output position of a convolution saw, (B, C*kh*kw, L), and delta as (..., B, O, L)."""
+    if a.dim() == 3:  # a 1-D convolution is a 2-D one of height 1
+        a, delta = a[:, :, None, :], delta.unsqueeze(-2)
+        kernel, stride, padding, dilation = [(1, *v) for v in (layer["weight_shape"][2:], layer["stride"], layer["padding"], layer["dilation"])]
+        padding = (0, padding[1])
+    else:
+        kernel, stride, padding, dilation = layer["weight_shape"][2:], layer["stride"], layer["padding"], layer["dilation"]
+    batch, rows, cols = a.shape[0], delta.shape[-2], delta.shape[-1]
+    if any(padding):
+        a = F.pad(a, (padding[1], padding[1], padding[0], padding[0]))
+    sb, sc, sh, sw = a.stride()
+    patches = a.as_strided((batch, a.shape[1], *kernel, rows, cols),
+                           (sb, sc, sh * dilation[0], sw * dilation[1], sh * stride[0], sw * stride[1]))
+    return patches.reshape(batch, -1, rows * cols), delta.flatten(-2)  # im2col: one copy
