@@ -54,9 +54,9 @@ def _first_code_cell(nb, has):
 
 def _break_outputs(entry, nb):
     """Changes to a notebook's cells that its page must show differently from the real notebook."""
-    if entry == "book/02_jacobians_hessians":  # a folded cell unfolded
-        cell = _first_code_cell(nb, lambda c: {"hide-input", "hide-cell"} & set(c.metadata.get("tags", [])))
-        cell.metadata["tags"] = [t for t in cell.metadata["tags"] if t not in ("hide-input", "hide-cell")]
+    if entry == "book/02_jacobians_hessians":  # a folded input unfolded
+        cell = _first_code_cell(nb, lambda c: "hide-input" in c.metadata.get("tags", []))
+        cell.metadata["tags"].remove("hide-input")
     if entry == "book/07_compile_with_transforms":  # a plot gone
         cell = _first_code_cell(nb, lambda c: any("image/png" in o.get("data", {}) for o in c.outputs))
         for output in cell.outputs:
