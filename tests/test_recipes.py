@@ -305,3 +305,76 @@ def test_fallback_matcher_is_the_same_in_chapters_3_and_4():
     pattern = re.compile(r"\ndef _unsupported_by_vmap.*?\n    return None\n", re.S)
     copies = [pattern.search((BOOK / f"{name}.md").read_text()).group(0) for name in ("03_per_sample_gradients", "04_output_jacobians")]
     assert copies[0] == copies[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-sample gradient norms without B·P (book/11_real_models.md): per_sample_grad_norms equals the norms
+# of the loop's per-example gradients on every model above, whichever path it takes, and
+# clipped_noisy_gradient equals clip_and_noise applied to the loop's per-example gradients.
+def loop_norms(model, x, t):
+    grads = loop_per_sample(model, x, t)
+    return torch.cat([g.flatten(1) for g in grads.values()], dim=1).norm(dim=1)
+
+
+ALL_MODELS = {**{k: (m, x) for k, (m, x) in ZOO.items()}, **{k: (m, x) for k, (m, x, _) in REAL.items()}}
+
+
+@pytest.mark.parametrize("name", list(ALL_MODELS))
+def test_per_sample_grad_norms_and_clipped_step(recipes, name):
+    model, x = ALL_MODELS[name]
+    expected = loop_norms(model, x, TARGETS)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        norms, report = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, report=True)
+        assert close(norms, expected)
+        assert close(recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, chunk_size=2), expected)
+        assert sorted(report.ghost + report.direct + report.streamed) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
+        max_norm = expected.median().item()
+        step = recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, norms, max_norm, 0.0)
+        reference = recipes["clip_and_noise"](loop_per_sample(model, x, TARGETS), max_norm, 0.0)
+        assert step.keys() == reference.keys() and all(close(step[k], reference[k]) for k in step)
+        noisy = recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, norms, max_norm, 0.5, torch.Generator().manual_seed(9))
+        noisy_reference = recipes["clip_and_noise"](loop_per_sample(model, x, TARGETS), max_norm, 0.5, torch.Generator().manual_seed(9))
+        assert all(close(noisy[k], noisy_reference[k]) for k in step)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_norms_use_the_token_pairs_on_linear_layers_and_catch_a_missing_share(recipes):
+    model, x, _ = REAL["transformer"]
+    norms, report = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, report=True)
+    assert report.path == "vmap" and "head.weight" in report.ghost and "encoder.linear1.weight" in report.ghost
+    assert "embed.weight" in report.streamed and "encoder.self_attn.in_proj_weight" in report.streamed
+    model.head.bias.requires_grad_(False)  # one parameter's share left out: the norms must differ
+    try:
+        assert not torch.allclose(recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS), norms)
+    finally:
+        model.head.bias.requires_grad_(True)
+
+
+def test_norms_edge_cases_and_errors(recipes):
+    model, x = ZOO["linear"]
+    norms = recipes["per_sample_grad_norms"]
+    assert norms(model, F.cross_entropy, x[:0], TARGETS[:0]).shape == (0,)
+    assert close(norms(model, F.cross_entropy, x[:1], TARGETS[:1]), loop_norms(model, x[:1], TARGETS[:1]))
+    expected = loop_norms(model, x, TARGETS)
+    with torch.no_grad():
+        assert close(norms(model, F.cross_entropy, x, TARGETS), expected)
+    with torch.inference_mode():
+        xi, ti = x.clone(), TARGETS.clone()
+        assert close(norms(model, F.cross_entropy, xi, ti), expected)
+    with pytest.raises(ValueError, match="one row per example"):
+        norms(model, F.cross_entropy, x, TARGETS[:3])
+    with pytest.raises(ValueError, match="chunk_size"):
+        norms(model, F.cross_entropy, x, TARGETS, chunk_size=0)
+    with pytest.raises(ValueError, match="scalar"):
+        norms(model, lambda p, t: F.cross_entropy(p, t, reduction="none").expand(2), x, TARGETS)
+    with pytest.raises(ValueError, match="one norm per example"):
+        recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, torch.ones(3, dtype=torch.float64), 1.0, 0.0)
+    with pytest.raises(ValueError, match="max_norm"):
+        recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, torch.ones(5, dtype=torch.float64), 0.0, 0.0)
+    for bug in ("value", "shape"):  # a user's own error in forward surfaces from the norms and the step
+        buggy = BuggyGRU(bug).double()
+        with pytest.raises(ValueError if bug == "value" else RuntimeError):
+            norms(buggy, F.cross_entropy, REAL["GRU"][1], TARGETS)
+        with pytest.raises(ValueError if bug == "value" else RuntimeError):
+            recipes["clipped_noisy_gradient"](buggy, F.cross_entropy, REAL["GRU"][1], TARGETS, torch.ones(5, dtype=torch.float64), 1.0, 0.0)
