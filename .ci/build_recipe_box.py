@@ -117,6 +117,12 @@ dense = torch.stack([torch.cat([j.flatten(1) for j in jacrev(lambda p: functiona
                      for x in xs])  # one example at a time
 print(tuple(J.shape), matches(J, dense), {name: tuple(j.shape) for name, j in split_by_parameter(J, tiny).items()})
 print(matches(empirical_ntk(tiny, xs[:2], xs[:3]), torch.einsum("aip,bjp->abij", J[:2], J[:3])))''',
+    "11_real_models.md": '''\
+norms, how = per_sample_grad_norms(tiny, F.mse_loss, xs, ys, report=True)  # no (B, P) tensor held
+print(how.path, matches(norms, torch.cat([g.flatten(1) for g in per_example.values()], dim=1).norm(dim=1)))
+step = clipped_noisy_gradient(tiny, F.mse_loss, xs, ys, norms, max_norm=0.1, noise_multiplier=0.0)
+scale = (0.1 / (norms + 1e-6)).clamp(max=1.0)
+print(all(matches(step[n], (per_example[n] * scale.view(-1, *[1] * (g.dim() - 1))).sum(0) / len(xs)) for n, g in per_example.items()))''',
     "10_curvature.md": '''\
 # F.mse_loss's mean fails under forward-over-reverse in torch 2.13 (pytorch/pytorch#123996): the same loss, written out
 mse = lambda out, y: ((out - y) ** 2).mean()
