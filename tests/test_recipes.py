@@ -378,3 +378,59 @@ def test_norms_edge_cases_and_errors(recipes):
             norms(buggy, F.cross_entropy, REAL["GRU"][1], TARGETS)
         with pytest.raises(ValueError if bug == "value" else RuntimeError):
             recipes["clipped_noisy_gradient"](buggy, F.cross_entropy, REAL["GRU"][1], TARGETS, torch.ones(5, dtype=torch.float64), 1.0, 0.0)
+
+
+def ensemble_members(name, count=3):
+    """`count` copies of a zoo model whose floating-point parameters differ."""
+    model, _ = ZOO[name]
+    members = [copy.deepcopy(model) for _ in range(count)]
+    for k, member in enumerate(members):
+        with torch.no_grad():
+            for p in member.parameters():
+                p.add_(0.1 * k)
+    return members
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_stack_models_one_batch_per_model(recipes, name):
+    """in_dims=(0, 0, 0): model i sees its own batch xs[i]."""
+    _, x = ZOO[name]
+    members = ensemble_members(name)
+    xs = torch.stack([x.roll(k, dims=0) for k in range(len(members))])
+    forward, params, buffers = recipes["stack_models"](members)
+    assert close(forward(params, buffers, xs, per_model_batches=True), torch.stack([m(xi) for m, xi in zip(members, xs)]))
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_stack_models_gradients(recipes, name):
+    """The gradient of the summed per-model losses, sliced at model i, is model i's own gradient."""
+    _, x = ZOO[name]
+    members = ensemble_members(name)
+    forward, params, buffers = recipes["stack_models"](members)
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    losses = torch.vmap(F.cross_entropy, in_dims=(0, None))(forward(params, buffers, x), TARGETS)
+    stacked = dict(zip(trainable, torch.autograd.grad(losses.sum(), list(trainable.values()))))
+    for i, member in enumerate(members):
+        named = [(n, p) for n, p in member.named_parameters() if p.requires_grad]
+        own = torch.autograd.grad(F.cross_entropy(member(x), TARGETS), [p for _, p in named])
+        assert all(close(stacked[n][i], g) for (n, _), g in zip(named, own))
+
+
+def test_stack_models_ignores_later_changes_to_model_zero(recipes):
+    """The ensemble keeps the mode the models had when stacked: model 0 switched to train mode
+    afterwards (BatchNorm would then use batch statistics) does not change its output."""
+    _, x = ZOO["buffers, eval mode"]
+    members = ensemble_members("buffers, eval mode")
+    forward, params, buffers = recipes["stack_models"](members)
+    before = forward(params, buffers, x)
+    members[0].train()
+    assert torch.equal(forward(params, buffers, x), before)
+    members[0].eval()
+    assert close(before, torch.stack([m(x) for m in members]))
+
+
+def test_stack_models_refuses_mixed_modes(recipes):
+    members = ensemble_members("buffers, eval mode")
+    members[1].train()
+    with pytest.raises(ValueError, match="train/eval mode"):
+        recipes["stack_models"](members)
