@@ -113,7 +113,8 @@ def test_local_import_check_catches_an_import_of_a_repository_module(chapter_cop
 # --- the glossary is linked from the text ----------------------------------------------------
 
 GLOSSARY_TERMS = ["vmap", "grad", "vjp", "jvp", "jacrev", "jacfwd", "hessian", "functional_call", "stack_module_state",
-                  "pytree", "primal", "tangent", "cotangent", "batching_rule", "forward_reverse_mode", "wide_tall"]
+                  "pytree", "primal", "tangent", "cotangent", "batching_rule", "forward_reverse_mode", "wide_tall",
+                  "replace_all_batch_norm_modules"]
 
 
 @pytest.mark.parametrize("term", GLOSSARY_TERMS)
