@@ -1,11 +1,13 @@
-# The two commands of the README, and the ones that regenerate stored outputs.
-# Each sets itself up on a fresh machine: a virtual environment with torch==$(TORCH), installed
-# first, and then requirements.txt.
+# The two commands of the README, and the ones that regenerate stored outputs. Each sets itself up
+# on a fresh machine, in a virtual environment, with the versions of constraints.txt (the one pin
+# file, torch included).
 #
+#   make site                                  build the static site into _build/html (site packages only: no torch)
+#   make test                                  the test suite: the pre-commit hooks, then pytest --nbval tests book
 #   make env                                   only set up the environment, and say which torch it has
-#   make site                                  build the static site into _build/html
-#   make test                                  run the test suite (nbval over book/, and tests/)
 #   make nbval                                 only the notebooks: pytest --nbval book
+#   make lint                                  only the pre-commit hooks (jupytext --sync of every pair), on all files
+#   make sync                                  bring every .md/.ipynb pair in sync (the hook, run until it passes)
 #   make outputs [NB=book/01_vmap_basics.md]   re-execute notebooks and store their outputs
 #   make recipe-box                            regenerate book/08_recipe_box.md from the chapters' recipe cells
 #   make shared                                copy book/_shared/*.py into the notebook cells tagged shared-<name>
@@ -16,21 +18,25 @@
 #   make nbval TORCH=newest                    the notebooks under the newest torch pip finds
 #   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu   torch from another index (here: the CPU build)
 
-# The one pin: the torch release the stored outputs were made with, and the one CI tests.
-TORCH_DEFAULT := 2.13.0
-TORCH         ?= $(TORCH_DEFAULT)
+# The pinned torch, read from constraints.txt: the release the stored outputs were made with.
+TORCH_PIN := $(shell sed -n 's/^torch==//p' constraints.txt)
+TORCH     ?= $(TORCH_PIN)
 # Where torch alone comes from; empty means pip's own configuration (PyPI: a CUDA build on
 # x86-64 Linux, a CPU build elsewhere).
-TORCH_INDEX   ?=
+TORCH_INDEX ?=
 
 PYTHON ?= python3
-ifeq ($(TORCH),$(TORCH_DEFAULT))
+ifeq ($(TORCH),$(TORCH_PIN))
 VENV   ?= .venv
 else
 VENV   ?= .venv-torch-$(TORCH)
 endif
-PY     := $(VENV)/bin/python
-READY  := $(VENV)/.installed-torch-$(TORCH)
+PY         := $(VENV)/bin/python
+PIP        := $(PY) -m pip install --quiet
+READY      := $(VENV)/.installed-torch-$(TORCH)
+SITE_READY := $(VENV)/.installed-site
+# constraints.txt less its torch line: torch is installed first, on its own, and then held.
+OTHER_PINS := $(VENV)/constraints-but-torch.txt
 
 # TORCH=newest asks pip for the newest release it can install here (re-checked on every run);
 # anything else is an exact release.
@@ -44,48 +50,69 @@ TORCH_UPGRADE :=
 READY_DEPS    :=
 endif
 
-.PHONY: env site test nbval outputs recipe-box shared clean FORCE
+.PHONY: env site test nbval lint sync outputs recipe-box shared clean FORCE
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
 
 # torch first (so that TORCH_INDEX applies to it alone), then the rest with torch held to the
-# same release, so that nothing in requirements.txt can move it; then BackPACK and curvlinops
+# release installed, so that nothing in requirements.txt can move it; then BackPACK and curvlinops
 # without their dependencies (requirements-nodeps.txt: BackPACK's torchvision would replace torch).
-$(READY): requirements.txt requirements-nodeps.txt $(READY_DEPS)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH_UPGRADE) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -r requirements.txt "torch==$$($(PY) -c 'import importlib.metadata as m; print(m.version("torch"))')"
-	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
+$(READY): requirements.txt requirements-site.txt requirements-nodeps.txt constraints.txt $(READY_DEPS) | $(VENV)/bin/python
+	grep -v '^torch==' constraints.txt > $(OTHER_PINS)
+	$(PIP) $(TORCH_UPGRADE) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(PIP) -r requirements.txt -c $(OTHER_PINS) "torch==$$($(PY) -c 'import importlib.metadata as m; print(m.version("torch"))')"
+	$(PIP) --no-deps -r requirements-nodeps.txt -c $(OTHER_PINS)
 	rm -f $(VENV)/.installed-torch-* $(VENV)/.requirements-installed
-	touch $(READY)
+	touch $(READY) $(SITE_READY)
+
+# The site is built from the stored outputs alone: it needs requirements-site.txt, not torch.
+$(SITE_READY): requirements-site.txt constraints.txt | $(VENV)/bin/python
+	$(PIP) -r requirements-site.txt -c constraints.txt
+	touch $(SITE_READY)
 
 # Set up only, and say what is installed.
 env: $(READY)
 	@$(PY) -c 'import sys, torch; print(f"{sys.argv[1]}: torch {torch.__version__},", "CUDA build," if torch.version.cuda else "CPU build,", "GPU visible to torch:", "yes" if torch.cuda.is_available() else "no")' $(VENV)
 
-site: $(READY)
+site: $(SITE_READY)
 	rm -rf _build/html
 	$(VENV)/bin/jupyter-book build . -W --keep-going
 	@echo "site: $(CURDIR)/_build/html/index.html"
 
+# Both parts always run; the target fails if either does.
 test: env
-	$(PY) -m pytest --nbval tests book
+	@status=0; \
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/pre-commit run --all-files --show-diff-on-failure || status=1; \
+	$(PY) -m pytest --nbval tests book || status=1; \
+	exit $$status
 
 nbval: env
 	$(PY) -m pytest --nbval book
 
+# The hooks of .pre-commit-config.yaml run with this environment's tools (jupytext) on the PATH.
+lint: $(READY)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/pre-commit run --all-files --show-diff-on-failure
+
+# The hook rewrites what is out of sync and fails; a second run then passes.
+sync: $(READY)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/pre-commit run jupytext-sync --all-files || \
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/pre-commit run jupytext-sync --all-files
+
 # Stored outputs come from the pinned release only (they are what CI compares against).
 outputs: $(READY)
-	@test "$(TORCH)" = "$(TORCH_DEFAULT)" || { echo "make outputs: stored outputs are made with the pinned torch $(TORCH_DEFAULT), not TORCH=$(TORCH)"; exit 1; }
+	@test "$(TORCH)" = "$(TORCH_PIN)" || { echo "make outputs: stored outputs are made with the pinned torch $(TORCH_PIN) (constraints.txt), not TORCH=$(TORCH)"; exit 1; }
 	$(PY) .ci/execute_notebooks.py $(NB)
 
 recipe-box: $(READY)
 	$(PY) .ci/build_recipe_box.py
 	$(PY) .ci/execute_notebooks.py book/08_recipe_box.md
 
+shared: $(READY)
+	$(PY) .ci/build_shared.py
+
 clean:
 	rm -rf _build
 
 FORCE:
-
-shared: $(READY)
-	$(PY) .ci/build_shared.py

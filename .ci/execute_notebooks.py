@@ -8,8 +8,11 @@ this Python environment (working directory book/), and book/NN_name.ipynb is rep
 result. The notebook is written to a temporary file first and moved into place only when
 the run succeeded, so a failed run never leaves a half-written notebook behind.
 
-A run fails (and writes nothing) when a cell raises without the `raises-exception` tag, when a
-cell tagged `raises-exception` does not raise, or when anything reaches stderr.
+A run fails (and writes nothing) when the result breaks what tests/bookcheck.py's
+`execution_problems` requires of a stored notebook: a cell that raises without the
+`raises-exception` tag, a cell tagged `raises-exception` that does not raise, or anything on
+stderr. The notebook's metadata follows the .md's, as `jupytext --sync` (the pre-commit hook)
+would write it.
 """
 from __future__ import annotations
 
@@ -26,24 +29,8 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
-
-
-def problems(nb) -> list[str]:
-    """What is wrong with an executed notebook, as messages naming the cell."""
-    found = []
-    for index, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        tags = cell.metadata.get("tags", [])
-        errors = [o for o in cell.outputs if o.output_type == "error"]
-        if errors and "raises-exception" not in tags:
-            found.append(f"cell {index} raised {errors[0].ename}: {errors[0].evalue}")
-        if "raises-exception" in tags and not errors:
-            found.append(f"cell {index} is tagged raises-exception but did not raise")
-        for output in cell.outputs:
-            if output.output_type == "stream" and output.name == "stderr":
-                found.append(f"cell {index} wrote to stderr: {output.text[:300]!r}")
-    return found
+sys.path.insert(0, str(ROOT / "tests"))
+from bookcheck import execution_problems  # noqa: E402  (the check tests/ runs on stored notebooks)
 
 
 def execute(md_path: Path) -> float:
@@ -56,10 +43,9 @@ def execute(md_path: Path) -> float:
         resources={"metadata": {"path": str(md_path.parent)}},
     ).execute()
     seconds = time.perf_counter() - start
-    found = problems(nb)
+    found = execution_problems(nb, md_path.name)
     if found:
         raise RuntimeError(f"{md_path.relative_to(ROOT)}: not written, because\n  " + "\n  ".join(found))
-    nb.metadata.setdefault("jupytext", {})["formats"] = "ipynb,md:myst"
     handle, tmp_name = tempfile.mkstemp(dir=ipynb_path.parent, suffix=".tmp.ipynb")
     os.close(handle)
     try:

@@ -1,4 +1,4 @@
-"""Checks on the book's sources and built site, as functions that return lists of problems.
+"""Checks on the book's sources, as functions that return lists of problems.
 
 The tests in this folder run them on the real book and on deliberately broken copies, so each
 check is shown to catch what it guards.
@@ -6,14 +6,11 @@ check is shown to catch what it guards.
 from __future__ import annotations
 
 import ast
-import html.parser
 import os
 import re
 import sys
-import urllib.parse
 from pathlib import Path
 
-import jupytext
 import nbformat
 import yaml
 
@@ -23,37 +20,6 @@ BOOK = ROOT / "book"
 
 def notebooks(book: Path = BOOK) -> list[Path]:
     return sorted(book.glob("*.ipynb"))
-
-
-# --- .md / .ipynb pairs -------------------------------------------------------------------
-
-def _cells(nb) -> list[tuple[str, str, tuple[str, ...]]]:
-    return [(c.cell_type, c.source.strip(), tuple(c.metadata.get("tags", []))) for c in nb.cells]
-
-
-def pair_problems(md_path: Path) -> list[str]:
-    """Differences between book/NN.md and book/NN.ipynb: cell kinds, sources and tags."""
-    ipynb_path = md_path.with_suffix(".ipynb")
-    if not ipynb_path.exists():
-        return [f"{md_path.name} has no {ipynb_path.name}: run `make outputs NB={md_path.relative_to(ROOT)}`"]
-    md_cells, nb_cells = _cells(jupytext.read(md_path)), _cells(jupytext.read(ipynb_path))
-    hint = f"edit one side only? regenerate with `make outputs NB=book/{md_path.name}`"
-    if len(md_cells) != len(nb_cells):
-        return [f"{md_path.name} has {len(md_cells)} cells but {ipynb_path.name} has {len(nb_cells)} ({hint})"]
-    problems = []
-    for index, (a, b) in enumerate(zip(md_cells, nb_cells)):
-        if a != b:
-            what = "kind" if a[0] != b[0] else "tags" if a[2] != b[2] else "source"
-            problems.append(f"{md_path.name} and {ipynb_path.name} differ in the {what} of cell {index} ({hint})")
-    return problems
-
-
-def unpaired(book: Path = BOOK) -> list[str]:
-    mds = {p.stem for p in book.glob("*.md")}
-    nbs = {p.stem for p in book.glob("*.ipynb")}
-    return [f"book/{stem}.ipynb has no book/{stem}.md" for stem in sorted(nbs - mds)] + [
-        f"book/{stem}.md has no book/{stem}.ipynb" for stem in sorted(mds - nbs)
-    ]
 
 
 # --- table of contents ---------------------------------------------------------------------
@@ -91,25 +57,31 @@ def toc_problems(toc_path: Path, book: Path) -> list[str]:
 
 # --- executed notebooks --------------------------------------------------------------------
 
-def execution_problems(nb_path: Path) -> list[str]:
-    """A stored notebook must be fully executed, top to bottom, once, with no stray error or stderr."""
-    nb = nbformat.read(nb_path, as_version=4)
+def execution_problems(notebook: Path | nbformat.NotebookNode, name: str = "") -> list[str]:
+    """A stored notebook must be fully executed, top to bottom, once, with no stray error or stderr.
+
+    `notebook` is a path, or a notebook just executed (.ci/execute_notebooks.py checks it before
+    writing it), then named by `name` in the messages."""
+    nb = notebook if isinstance(notebook, nbformat.NotebookNode) else nbformat.read(notebook, as_version=4)
+    name = name or Path(notebook).name
     problems, expected = [], 1
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
         tags = cell.metadata.get("tags", [])
         if cell.execution_count != expected:
-            problems.append(f"{nb_path.name} cell {index}: execution count {cell.execution_count}, expected {expected} "
+            problems.append(f"{name} cell {index}: execution count {cell.execution_count}, expected {expected} "
                             "(run the whole notebook in order: `make outputs`)")
         expected += 1
         errors = [o for o in cell.outputs if o.output_type == "error"]
         if errors and "raises-exception" not in tags:
-            problems.append(f"{nb_path.name} cell {index}: stored error {errors[0].ename} in a cell not tagged raises-exception")
+            problems.append(f"{name} cell {index}: stored error {errors[0].ename} in a cell not tagged raises-exception "
+                            f"({errors[0].evalue[:200]})")
         if "raises-exception" in tags and not errors:
-            problems.append(f"{nb_path.name} cell {index}: tagged raises-exception but has no stored error")
-        if any(o.output_type == "stream" and o.name == "stderr" for o in cell.outputs):
-            problems.append(f"{nb_path.name} cell {index}: stored output on stderr")
+            problems.append(f"{name} cell {index}: tagged raises-exception but has no stored error")
+        stderr = "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == "stderr")
+        if stderr:
+            problems.append(f"{name} cell {index}: stored output on stderr: {stderr[:300]!r}")
     return problems
 
 
@@ -182,53 +154,4 @@ def figure_problems(nb_path: Path) -> list[str]:
                                              ("the hardware", "hardware" in source)] if not ok]
             if missing:
                 problems.append(f"{nb_path.name} cell {index}: its plot lacks " + ", ".join(missing))
-    return problems
-
-
-# --- the built site --------------------------------------------------------------------------
-
-class _LinkParser(html.parser.HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.links, self.ids = [], set()
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        for key in ("id", "name"):
-            if attrs.get(key):
-                self.ids.add(attrs[key])
-        for key in ("href", "src"):
-            if attrs.get(key) and tag in ("a", "link", "script", "img", "source", "iframe"):
-                self.links.append((tag, attrs[key]))
-
-
-def _parse(path: Path) -> _LinkParser:
-    parser = _LinkParser()
-    parser.feed(path.read_text(encoding="utf-8", errors="replace"))
-    return parser
-
-
-def link_problems(site: Path) -> list[str]:
-    """Internal links (href/src) of every page that point at a missing file or a missing anchor."""
-    problems, parsed = [], {}
-
-    def page(path: Path) -> _LinkParser:
-        if path not in parsed:
-            parsed[path] = _parse(path)
-        return parsed[path]
-
-    pages = [p for p in sorted(site.rglob("*.html")) if "_static" not in p.relative_to(site).parts]
-    for html_file in pages:  # _static/ holds the theme's template fragments, not pages
-        for tag, link in page(html_file).links:
-            url = urllib.parse.urlsplit(link)
-            if url.scheme or link.startswith("//"):
-                continue  # external: Colab, GitHub, ...
-            target = html_file if not url.path else (html_file.parent / urllib.parse.unquote(url.path)).resolve()
-            if target.is_dir():
-                target = target / "index.html"
-            name = html_file.relative_to(site)
-            if not target.exists():
-                problems.append(f"{name}: <{tag}> points at missing {link}")
-            elif url.fragment and target.suffix == ".html" and url.fragment not in page(target).ids:
-                problems.append(f"{name}: <{tag}> points at missing anchor {link}")
     return problems

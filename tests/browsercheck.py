@@ -3,10 +3,10 @@ driven by Playwright, against the site served on 127.0.0.1.
 
 `inspect_page` opens one page and returns what a reader would meet there: console errors,
 requests that fail or leave the machine, images that did not load, mathematics MathJax did not
-typeset, how many code cells and outputs are on the page and visible, the Colab links and the
-previous/next links. tests/test_browser.py turns that into assertions, on the real site and on
-a deliberately broken copy. (Internal links and anchors are checked on the built files by
-bookcheck.link_problems, in tests/test_site.py.)
+typeset, how many code cells and outputs are on the page and visible, and the Colab links.
+tests/test_browser.py turns that into assertions, on the real site and on a site built from
+deliberately broken sources. (Internal links and anchors are checked on the built files by
+pytest-check-links, in tests/test_site.py.)
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import shutil
 import sys
 import threading
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,10 +85,6 @@ class PageReport:
     outputs: int = 0
     outputs_visible: int = 0
     colab: list[str] = field(default_factory=list)
-    previous: str | None = None
-    next: str | None = None
-    redirect: str | None = None  # where a <meta http-equiv="refresh"> page sent the browser
-    results: list[str] = field(default_factory=list)  # on a search page: the pages listed
 
 
 # Every wait inside the page races a timer, so a resource that never settles fails the check
@@ -130,29 +125,11 @@ _CONTENT = """() => {
     cells: inputs.length, cells_visible: inputs.filter(shown).length,
     outputs: outputs.length, outputs_visible: outputs.filter(shown).length,
     colab: hrefs('a[href*="colab.research.google.com"]'),
-    previous: hrefs(".prev-next-area a.left-prev")[0] || null,
-    next: hrefs(".prev-next-area a.right-next")[0] || null,
   };
 }"""
 
-# Sphinx's search page lists results one by one, then writes a summary: wait for the summary.
-SEARCH_FINISHED = """() => /Search finished|did not match/.test(document.querySelector("#search-results")?.innerText || "")"""
-_SEARCH_RESULTS = """() => Array.from(document.querySelectorAll("#search-results ul.search li a"), a => a.href)"""
-
-_REFRESH = re.compile(r"""<meta\s+http-equiv=["']refresh["']\s+content=["']\d+;\s*url=([^"']+)["']""", re.I)
-
-
-def _refresh_target(url: str) -> str | None:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        found = _REFRESH.search(response.read().decode("utf-8", "replace"))
-    return urllib.parse.urljoin(url, found.group(1)) if found else None
-
-
 def inspect_page(browser, url: str, screenshot: Path | None = None) -> PageReport:
-    """Open `url` in a fresh browser context that may reach nothing but the site's own server.
-
-    A URL with `search.html?q=...` is a search: the report's `results` lists the pages found.
-    """
+    """Open `url` in a fresh browser context that may reach nothing but the site's own server."""
     origin = "{0.scheme}://{0.netloc}".format(urllib.parse.urlsplit(url))
     report = PageReport(url)
     problems: list[str] = []
@@ -177,10 +154,6 @@ def inspect_page(browser, url: str, screenshot: Path | None = None) -> PageRepor
         page.on("requestfailed", lambda r: r.url not in blocked and problems.append(
             f"failed to load {r.url}: {r.failure}"))
         page.goto(url, wait_until="load", timeout=30_000)
-        if redirect := _refresh_target(url):  # index.html forwards to the front page
-            page.wait_for_url(redirect, timeout=15_000)
-            page.wait_for_load_state("load")
-            report.redirect = page.url
         page.wait_for_load_state("networkidle", timeout=15_000)  # late requests: fonts, async scripts
         broken, timed_out = page.evaluate(_IMAGES_SETTLED)
         problems.extend(f"image did not load: {src}" for src in broken)
@@ -191,9 +164,6 @@ def inspect_page(browser, url: str, screenshot: Path | None = None) -> PageRepor
             problems.append(math_error)
         for key, value in page.evaluate(_CONTENT).items():
             setattr(report, key, value)
-        if "search.html?q=" in url:
-            page.wait_for_function(SEARCH_FINISHED, timeout=20_000)
-            report.results = sorted({urllib.parse.urlsplit(h).path.lstrip("/") for h in page.evaluate(_SEARCH_RESULTS)})
         if screenshot is not None:
             screenshot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(screenshot), full_page=True, type="jpeg", quality=70)
@@ -201,11 +171,6 @@ def inspect_page(browser, url: str, screenshot: Path | None = None) -> PageRepor
     finally:
         context.close()
     return report
-
-
-def search(browser, base: str, word: str) -> PageReport:
-    """Search the site for `word` on its own search page; `results` lists the pages found."""
-    return inspect_page(browser, f"{base}search.html?q={urllib.parse.quote(word)}")
 
 
 # --- what each page must show --------------------------------------------------------------
@@ -234,26 +199,17 @@ def expected_content(nb) -> dict:
     }
 
 
-def page_problems(report: PageReport, expected: dict | None, colab: list[str],
-                  previous: str | None, next_: str | None) -> list[str]:
-    """Everything wrong with one inspected page, given what its notebook and the toc promise.
-
-    `expected` is None for pages that are not notebooks; `colab`, `previous` and `next_` are
-    always compared ([] and None mean: there must be none).
-    """
+def page_problems(report: PageReport, expected: dict, colab: list[str]) -> list[str]:
+    """Everything wrong with one inspected page, given what its notebook (`expected_content`)
+    promises and the Colab link(s) it must have."""
     problems = list(report.problems)
     if report.math != report.typeset:
         problems.append(f"math not typeset: {report.math - report.typeset} of {report.math} formulas")
-    if expected is not None:
-        for key in ("cells", "cells_visible", "outputs", "outputs_visible", "plots"):
-            if getattr(report, key) != expected[key]:
-                problems.append(f"{key}: the page has {getattr(report, key)}, the notebook {expected[key]}")
-        if report.math < expected["tex"]:
-            problems.append(f"{report.math} formulas on the page, the notebook's text has {expected['tex']}")
+    for key in ("cells", "cells_visible", "outputs", "outputs_visible", "plots"):
+        if getattr(report, key) != expected[key]:
+            problems.append(f"{key}: the page has {getattr(report, key)}, the notebook {expected[key]}")
+    if report.math < expected["tex"]:
+        problems.append(f"{report.math} formulas on the page, the notebook's text has {expected['tex']}")
     if report.colab != colab:
         problems.append(f"Colab link(s) {report.colab}, expected {colab}")
-    if report.previous != previous:
-        problems.append(f"'previous' link {report.previous}, expected {previous}")
-    if report.next != next_:
-        problems.append(f"'next' link {report.next}, expected {next_}")
     return problems

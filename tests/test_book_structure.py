@@ -1,28 +1,21 @@
-"""The book's sources: pairs in sync, table of contents complete, notebooks executed in order,
-no local imports. Each check is also run on a broken copy, to show that it can fail."""
-import json
+"""The book's sources: table of contents complete, notebooks executed in order, no local imports,
+and the pre-commit hook that keeps each .md/.ipynb pair in sync. Each check is also run on a broken
+copy, to show that it can fail."""
+import os
 import shutil
+import subprocess
+import sys
 
 import nbformat
 import pytest
 
-from bookcheck import (BOOK, ROOT, execution_problems, figure_problems, local_import_problems, notebooks,
-                       pair_problems, toc_problems, unpaired)
+from bookcheck import BOOK, ROOT, execution_problems, figure_problems, local_import_problems, notebooks, toc_problems
 
 PAGES = sorted(BOOK.glob("*.md"))
 
 
 def test_the_book_has_pages():
     assert len(PAGES) >= 2 and len(notebooks()) == len(PAGES)
-
-
-def test_every_page_is_a_pair():
-    assert unpaired() == []
-
-
-@pytest.mark.parametrize("md_path", PAGES, ids=lambda p: p.name)
-def test_pair_in_sync(md_path):
-    assert pair_problems(md_path) == []
 
 
 def test_toc_lists_every_notebook_and_nothing_else():
@@ -51,30 +44,34 @@ def chapter_copy(tmp_path):
     return book / "01_vmap_basics.md"
 
 
-def test_pair_check_catches_an_edit_to_the_md_only(chapter_copy):
-    assert pair_problems(chapter_copy) == []
-    text = chapter_copy.read_text()
-    chapter_copy.write_text(text.replace("print(torch.vmap is torch.func.vmap)", "print(torch.vmap is not torch.func.vmap)"))
-    problems = pair_problems(chapter_copy)
-    assert len(problems) == 1 and "01_vmap_basics.md" in problems[0] and "source" in problems[0]
+def _hook_run(repo, env):
+    """`pre-commit run --all-files` in the scratch repository: (exit status, files it changed)."""
+    before = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file() and ".git" not in p.parts}
+    result = subprocess.run([sys.executable, "-m", "pre_commit", "run", "--all-files"], cwd=repo, env=env,
+                            capture_output=True, text=True)
+    after = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file() and ".git" not in p.parts}
+    return result.returncode, sorted(p.name for p in after if before.get(p) != after[p])
 
 
-def test_pair_check_catches_an_edit_to_the_ipynb_only(chapter_copy):
-    nb_path = chapter_copy.with_suffix(".ipynb")
-    nb = nbformat.read(nb_path, as_version=4)
-    first_code = next(c for c in nb.cells if c.cell_type == "code")
-    first_code.metadata["tags"] = ["nbval-skip"]
-    nbformat.write(nb, nb_path)
-    problems = pair_problems(chapter_copy)
-    assert len(problems) == 1 and "01_vmap_basics.ipynb" in problems[0] and "tags" in problems[0]
-
-
-def test_pair_check_catches_a_missing_cell(chapter_copy):
-    nb_path = chapter_copy.with_suffix(".ipynb")
-    nb = nbformat.read(nb_path, as_version=4)
-    del nb.cells[-1]
-    nbformat.write(nb, nb_path)
-    assert "cells but" in " ".join(pair_problems(chapter_copy))
+def test_sync_hook_catches_an_edit_to_one_side_of_a_pair(chapter_copy):
+    """The repository's own .pre-commit-config.yaml, in a scratch git repository holding one pair."""
+    repo = chapter_copy.parent.parent
+    for name in (".pre-commit-config.yaml", "jupytext.toml"):
+        shutil.copy(ROOT / name, repo / name)
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+           "PRE_COMMIT_HOME": str(repo.parent / "pre-commit-home")}
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "add", "."], cwd=repo, check=True)
+    _hook_run(repo, env)  # the first run brings the copy in sync, if main's pair was not (`make lint` checks that)
+    assert _hook_run(repo, env) == (0, [])
+    chapter_copy.write_text(chapter_copy.read_text().replace("print(torch.vmap is torch.func.vmap)",
+                                                             "print(torch.vmap is not torch.func.vmap)"))
+    status, changed = _hook_run(repo, env)  # the .ipynb is rewritten from the newer .md
+    assert status == 1 and changed == ["01_vmap_basics.ipynb"]
+    assert "torch.vmap is not torch.func.vmap" in chapter_copy.with_suffix(".ipynb").read_text()
+    chapter_copy.with_suffix(".ipynb").unlink()  # a .md without its notebook gets one
+    status, changed = _hook_run(repo, env)
+    assert status == 1 and changed == ["01_vmap_basics.ipynb"]
 
 
 def test_toc_check_catches_a_missing_entry_and_a_missing_file(chapter_copy):
@@ -115,7 +112,9 @@ def test_local_import_check_catches_an_import_of_a_repository_module(chapter_cop
 
 # --- the glossary is linked from the text ----------------------------------------------------
 
-GLOSSARY_TERMS = ["vmap", "grad", "vjp", "jvp", "jacrev", "jacfwd", "hessian", "functional_call", "stack_module_state"]
+GLOSSARY_TERMS = ["vmap", "grad", "vjp", "jvp", "jacrev", "jacfwd", "hessian", "functional_call", "stack_module_state",
+                  "pytree", "primal", "tangent", "cotangent", "batching_rule", "forward_reverse_mode", "wide_tall",
+                  "replace_all_batch_norm_modules"]
 
 
 @pytest.mark.parametrize("term", GLOSSARY_TERMS)

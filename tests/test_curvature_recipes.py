@@ -41,6 +41,29 @@ class Residual(nn.Module):
         return self.out(h + torch.sin(self.hidden(h)))
 
 
+class SharedLayer(nn.Module):
+    """One Linear called twice: the layer-by-layer GGN diagonal must not be used (each module once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.shared, self.out = nn.Linear(6, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.shared(torch.tanh(self.shared(torch.tanh(self.inp(x)))))))
+
+
+class TiedOutput(nn.Module):
+    """A weight used inside its module and again outside it: the layers' products cannot rebuild the gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(6, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.out(h) + h @ self.inp.weight[:, :3]
+
+
 def zoo():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -57,6 +80,8 @@ def zoo():
         "custom forward": (Residual(), torch.randn(7, 6, generator=g)),
         "frozen params": (frozen, torch.randn(7, 6, generator=g)),
         "BatchNorm, eval mode": (batchnorm, torch.randn(7, 6, generator=g)),
+        "shared layer": (SharedLayer(), torch.randn(7, 6, generator=g)),
+        "tied weight": (TiedOutput(), torch.randn(7, 6, generator=g)),
     }
     return {name: (model.double(), x.double()) for name, (model, x) in models.items()}
 
@@ -144,6 +169,9 @@ def test_ggn_diagonal_gauss_newton_step_and_influence(recipes, name):
     J, H_L, G = dense_ggn(model, x, TARGETS)
     Y = 3
     assert close(flat(recipes["ggn_diagonal"](model, F.cross_entropy, x, TARGETS)), G.diagonal())
+    # any loss: the output Hessian from autograd and eigh instead of cross-entropy's closed form
+    generic = recipes["ggn_diagonal"](model, lambda o, t: F.cross_entropy(o, t), x, TARGETS)
+    assert close(flat(generic), G.diagonal())
     shares = recipes["ggn_diagonal"](model, F.cross_entropy, x, TARGETS, per_sample=True)
     loop = torch.stack([(J[Y * n:Y * n + Y].T @ H_L[Y * n:Y * n + Y, Y * n:Y * n + Y] @ J[Y * n:Y * n + Y]).diagonal()
                         for n in range(len(x))])
@@ -168,6 +196,7 @@ def test_a_sum_reduced_loss(recipes):
     v = torch.randn(G.shape[0], generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     g = per_example_gradients(model, x, TARGETS)
     assert close(flat(recipes["ggn_diagonal"](model, summed, x, TARGETS)), len(x) * G.diagonal())
+    assert close(flat(recipes["ggn_diagonal"](model, nn.CrossEntropyLoss(reduction="sum"), x, TARGETS)), len(x) * G.diagonal())
     assert close(flat(recipes["empirical_fisher_vp"](model, summed, x, TARGETS, unflat(v, model))), g.T @ (g @ v))
 
 
@@ -207,3 +236,51 @@ def test_errors(recipes):
     frozen = nn.Linear(6, 3).double().requires_grad_(False)
     with pytest.raises(ValueError, match="no parameters that require grad"):
         recipes["param_hvp"](frozen, F.cross_entropy, x, TARGETS, {})
+
+
+def test_ggn_diagonal_takes_the_general_path_exactly_where_the_layers_cannot_rebuild(recipes, monkeypatch):
+    """The layer-by-layer path serves ordinary models; a layer called twice or a weight used outside its module
+    sends the call to the vmap path (shown by making that path fail), and both paths agree with dense G."""
+    def refuse(*args):
+        raise AssertionError("general path taken")
+
+    monkeypatch.setitem(recipes, "_ggn_diagonal_by_vmap", refuse)
+    for name in ["MLP", "conv", "LayerNorm", "custom forward", "frozen params", "BatchNorm, eval mode"]:
+        model, x = ZOO[name]
+        recipes["ggn_diagonal"](model, F.cross_entropy, x, TARGETS)  # no AssertionError: the layers path
+    for name in ["shared layer", "tied weight"]:
+        model, x = ZOO[name]
+        with pytest.raises(AssertionError, match="general path taken"):
+            recipes["ggn_diagonal"](model, F.cross_entropy, x, TARGETS)
+
+
+def test_cross_entropy_closed_form_factors(recipes):
+    """S S^T = diag(p) - p p^T (times w) for the closed form, and the same matrices from autograd and eigh."""
+    outputs = torch.randn(5, 4, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    targets = torch.tensor([0, 3, 1, 1, 2])
+    for loss_fn, w in [(F.cross_entropy, 1 / 5), (nn.CrossEntropyLoss(reduction="sum"), 1.0)]:
+        assert recipes["_cross_entropy_reduction"](loss_fn, outputs, targets) is not None
+        for fn in (loss_fn, lambda o, t: loss_fn(o, t)):  # the closed form, then the general route
+            lam, U = recipes["_output_hessian_factors"](fn, outputs, targets)
+            p = torch.softmax(outputs, dim=1)
+            for n in range(5):
+                expected = w * (torch.diag(p[n]) - torch.outer(p[n], p[n]))
+                assert close(torch.einsum("k,ki,kj->ij", lam[:, n], U[:, n], U[:, n]), expected)
+    # cross-entropy with label smoothing, class weights or ignored targets is not the closed form's loss
+    for other in (nn.CrossEntropyLoss(label_smoothing=0.1), nn.CrossEntropyLoss(weight=torch.ones(4, dtype=torch.float64))):
+        assert recipes["_cross_entropy_reduction"](other, outputs, targets) is None
+    assert recipes["_cross_entropy_reduction"](F.cross_entropy, outputs, torch.tensor([0, 3, -100, 1, 2])) is None
+
+
+def test_ggn_diagonal_refuses_a_model_that_mixes_examples(recipes):
+    class MinusBatchMean(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.lin(x - x.mean(dim=0))
+
+    model, x = MinusBatchMean().double(), ZOO["MLP"][1]
+    with pytest.raises(ValueError, match="mixes the examples"):
+        recipes["ggn_diagonal"](model, F.cross_entropy, x, TARGETS)

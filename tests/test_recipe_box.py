@@ -35,3 +35,27 @@ def test_drift_is_detected(tmp_path, monkeypatch):
     assert build.render() != build.BOX.read_text()
     changed = [source for _, _, source in build.recipe_cells() if "return 2 * jvp" in source]
     assert len(changed) == 1 and "def hvp" in changed[0]
+
+
+def test_generator_refuses_a_recipe_without_example_and_an_unimported_name(monkeypatch):
+    """The box's usage examples and imports are computed: a recipe no example calls, or a name the
+    recipes use that nothing imports, stops generation with a message naming it."""
+    import pytest
+    found = build.recipe_cells()
+    with_new = found + [(found[0][0], found[0][1], "def brand_new_recipe(x):\n    return x")]
+    monkeypatch.setattr(build, "recipe_cells", lambda: with_new)
+    with pytest.raises(build.BoxError, match="brand_new_recipe"):
+        build.render()
+    with_unknown = found + [(found[0][0], found[0][1], "def _helper(x):\n    return scipy.special.erf(x)")]
+    monkeypatch.setattr(build, "recipe_cells", lambda: with_unknown)
+    with pytest.raises(build.BoxError, match="scipy"):
+        build.render()
+
+
+def test_generator_imports_each_name_once_and_finds_dependencies():
+    text = build.render()
+    setup = text.split("```{code-cell} ipython3\n", 1)[1].split("```", 1)[0]
+    assert "import numbers" not in setup  # Chapter 2's recipe cell imports it, before any use
+    assert text.count("\nimport numbers\n") == 1
+    row = next(line for line in text.splitlines() if line.startswith("| `empirical_ntk` |"))
+    assert "`output_jacobian`" in row

@@ -144,3 +144,293 @@ def test_pairwise_jacobian_hvp(recipes):
     v = torch.randn(3, 4, generator=g, dtype=torch.float64)
     hessian = torch.autograd.functional.hessian(scalar, m).reshape(12, 12)
     assert close(recipes["hvp"](scalar, m, v), (hessian @ v.reshape(12)).reshape(3, 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# Real models (book/11_real_models.md, issue 15): a small transformer with a padding mask, LSTM and
+# GRU, and a block under torch.utils.checkpoint. vmap cannot run the last three (in float64), so
+# per_sample_grads and output_jacobian must take their loop path, report it, and still equal the
+# loop; a user's own error inside forward must still raise.
+import re
+import warnings
+
+from torch.utils.checkpoint import checkpoint
+
+
+class TinyTransformer(nn.Module):
+    """Embedding, one encoder layer that ignores padding tokens (id 0), mean over real tokens, head."""
+
+    def __init__(self, vocab=11, width=8, classes=3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.encoder = nn.TransformerEncoderLayer(width, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, tokens):
+        pad = tokens == 0
+        h = self.encoder(self.embed(tokens), src_key_padding_mask=pad)
+        keep = (~pad).unsqueeze(-1).to(h.dtype)
+        return self.head((h * keep).sum(1) / keep.sum(1))
+
+
+class Recurrent(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.rnn, self.head = kind(3, 6, batch_first=True), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+class Checkpointed(nn.Module):
+    """A block recomputed in the backward pass. With linear layers only, the fast path's trace accepts
+    it (its products need no saved tensors of vmap's); a LayerNorm inside sends it to vmap, which
+    cannot run saved tensor hooks, and so to the loop."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.inner, self.outer, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.norm = nn.LayerNorm(8) if norm else nn.Identity()
+
+    def block(self, x):
+        return torch.tanh(self.outer(self.norm(torch.tanh(self.inner(x)))))
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+def real_models():
+    torch.manual_seed(4)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(1, 11, (5, 6), generator=g)
+    for n, length in enumerate([6, 4, 2, 5, 1]):
+        tokens[n, length:] = 0  # padding at the end of each sequence
+    return {
+        "transformer": (TinyTransformer().double(), tokens, "general"),
+        "LSTM": (Recurrent(nn.LSTM).double(), torch.randn(5, 4, 3, generator=g, dtype=torch.float64), "loop"),
+        "GRU": (Recurrent(nn.GRU).double(), torch.randn(5, 4, 3, generator=g, dtype=torch.float64), "loop"),
+        "checkpoint, linear only": (Checkpointed(False).double(), torch.randn(5, 6, generator=g, dtype=torch.float64), "fast"),
+        "checkpoint with LayerNorm": (Checkpointed(True).double(), torch.randn(5, 6, generator=g, dtype=torch.float64), "loop"),
+    }
+
+
+REAL = real_models()
+
+
+
+
+@pytest.mark.parametrize("name", list(REAL))
+def test_per_sample_grads_on_real_models(recipes, name):
+    model, x, expected_path = REAL[name]
+    expected = loop_per_sample(model, x, TARGETS)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        got, report = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, report=True)
+        assert report.path == expected_path, report
+        assert all(close(got[k], expected[k]) for k in expected)
+        chunked = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, chunk_size=2)
+        assert all(close(chunked[k], expected[k]) for k in expected)
+        forced, report = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, path="loop", report=True)
+        assert report.path == "loop" and all(close(forced[k], expected[k]) for k in expected)
+        buffers = {k: torch.full_like(v, float("nan")) for k, v in expected.items()}
+        written = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, out=buffers)
+        assert all(written[k] is buffers[k] and close(buffers[k], expected[k]) for k in expected)
+        with torch.no_grad():
+            assert all(close(v, expected[k]) for k, v in recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS).items())
+        empty = recipes["per_sample_grads"](model, F.cross_entropy, x[:0], TARGETS[:0])
+        assert all(empty[k].shape == (0, *v.shape[1:]) for k, v in expected.items())
+        if expected_path == "loop":  # the general path alone raises: the fallback is what makes these work
+            with pytest.raises(RuntimeError):
+                recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, path="general")
+
+
+@pytest.mark.parametrize("name", list(REAL))
+def test_output_jacobian_on_real_models(recipes, name):
+    model, x, expected_path = REAL[name]
+    expected = loop_output_jacobian(model, x)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        got, report = recipes["output_jacobian"](model, x, report=True)
+        assert report.path == expected_path, report
+        assert close(got, expected)
+        assert close(recipes["output_jacobian"](model, x, chunk_size=2), expected)
+        buffer = torch.full_like(expected, float("nan"))
+        assert recipes["output_jacobian"](model, x, out=buffer, path="loop") is buffer and close(buffer, expected)
+        with torch.inference_mode():
+            frozen_x = x.clone()
+        assert close(recipes["output_jacobian"](model, frozen_x), expected)
+        if expected_path == "loop":
+            with pytest.raises(RuntimeError):
+                recipes["output_jacobian"](model, x, path="general")
+
+
+class BuggyGRU(Recurrent):
+    """A genuine mistake in forward (adding a (2, 6) tensor to a (B, 6) state): it must surface, not be looped away."""
+
+    def __init__(self, bug):
+        super().__init__(nn.GRU)
+        self.bug = bug
+
+    def forward(self, x):
+        h = self.rnn(x)[0][:, -1]
+        if self.bug == "value":
+            raise ValueError("my own check failed")
+        return self.head(h.add_(torch.ones(2, 6, dtype=h.dtype)))
+
+
+@pytest.mark.parametrize("bug", ["value", "shape"])
+def test_users_own_error_still_raises(recipes, bug):
+    model, x = BuggyGRU(bug).double(), REAL["GRU"][1]
+    error = ValueError if bug == "value" else RuntimeError
+    with pytest.raises(error, match="my own check|must match|size of tensor|broadcast"):
+        recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS)
+    with pytest.raises(error, match="my own check|must match|size of tensor|broadcast"):
+        recipes["output_jacobian"](model, x)
+
+
+def test_only_known_vmap_gaps_are_recognised(recipes):
+    """The fallback's matcher: vmap's known gaps give a reason, anything else None (so it is re-raised)."""
+    known = recipes["_unsupported_by_vmap"]
+    gru, plain = REAL["GRU"][0], nn.Linear(2, 2)
+    assert known(RuntimeError("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks. Please"), plain)
+    assert known(RuntimeError("Batching rule not implemented for aten::gru.input. We could not generate a fallback."), plain)
+    assert known(RuntimeError("output with shape [1, 6] doesn't match the broadcast shape [5, 1, 6]"), gru)
+    assert known(RuntimeError("output with shape [1, 6] doesn't match the broadcast shape [5, 1, 6]"), plain) is None
+    assert known(RuntimeError("vmap: It looks like you're calling .item() on a Tensor"), gru) is None
+    assert known(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), gru) is None
+
+
+def test_fallback_matcher_is_the_same_in_chapters_3_and_4():
+    """Chapter 4 is self-contained, so it defines its own copy of the matcher: the two must not drift."""
+    pattern = re.compile(r"\ndef _unsupported_by_vmap.*?\n    return None\n", re.S)
+    copies = [pattern.search((BOOK / f"{name}.md").read_text()).group(0) for name in ("03_per_sample_gradients", "04_output_jacobians")]
+    assert copies[0] == copies[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-sample gradient norms without B·P (book/11_real_models.md): per_sample_grad_norms equals the norms
+# of the loop's per-example gradients on every model above, whichever path it takes, and
+# clipped_noisy_gradient equals clip_and_noise applied to the loop's per-example gradients.
+def loop_norms(model, x, t):
+    grads = loop_per_sample(model, x, t)
+    return torch.cat([g.flatten(1) for g in grads.values()], dim=1).norm(dim=1)
+
+
+ALL_MODELS = {**{k: (m, x) for k, (m, x) in ZOO.items()}, **{k: (m, x) for k, (m, x, _) in REAL.items()}}
+
+
+@pytest.mark.parametrize("name", list(ALL_MODELS))
+def test_per_sample_grad_norms_and_clipped_step(recipes, name):
+    model, x = ALL_MODELS[name]
+    expected = loop_norms(model, x, TARGETS)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        norms, report = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, report=True)
+        assert close(norms, expected)
+        assert close(recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, chunk_size=2), expected)
+        assert sorted(report.ghost + report.direct + report.streamed) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
+        max_norm = expected.median().item()
+        step = recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, norms, max_norm, 0.0)
+        reference = recipes["clip_and_noise"](loop_per_sample(model, x, TARGETS), max_norm, 0.0)
+        assert step.keys() == reference.keys() and all(close(step[k], reference[k]) for k in step)
+        noisy = recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, norms, max_norm, 0.5, torch.Generator().manual_seed(9))
+        noisy_reference = recipes["clip_and_noise"](loop_per_sample(model, x, TARGETS), max_norm, 0.5, torch.Generator().manual_seed(9))
+        assert all(close(noisy[k], noisy_reference[k]) for k in step)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_norms_use_the_token_pairs_on_linear_layers_and_catch_a_missing_share(recipes):
+    model, x, _ = REAL["transformer"]
+    norms, report = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, report=True)
+    assert report.path == "vmap" and "head.weight" in report.ghost and "encoder.linear1.weight" in report.ghost
+    assert "embed.weight" in report.streamed and "encoder.self_attn.in_proj_weight" in report.streamed
+    model.head.bias.requires_grad_(False)  # one parameter's share left out: the norms must differ
+    try:
+        assert not torch.allclose(recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS), norms)
+    finally:
+        model.head.bias.requires_grad_(True)
+
+
+def test_norms_edge_cases_and_errors(recipes):
+    model, x = ZOO["linear"]
+    norms = recipes["per_sample_grad_norms"]
+    assert norms(model, F.cross_entropy, x[:0], TARGETS[:0]).shape == (0,)
+    assert close(norms(model, F.cross_entropy, x[:1], TARGETS[:1]), loop_norms(model, x[:1], TARGETS[:1]))
+    expected = loop_norms(model, x, TARGETS)
+    with torch.no_grad():
+        assert close(norms(model, F.cross_entropy, x, TARGETS), expected)
+    with torch.inference_mode():
+        xi, ti = x.clone(), TARGETS.clone()
+        assert close(norms(model, F.cross_entropy, xi, ti), expected)
+    with pytest.raises(ValueError, match="one row per example"):
+        norms(model, F.cross_entropy, x, TARGETS[:3])
+    with pytest.raises(ValueError, match="chunk_size"):
+        norms(model, F.cross_entropy, x, TARGETS, chunk_size=0)
+    with pytest.raises(ValueError, match="scalar"):
+        norms(model, lambda p, t: F.cross_entropy(p, t, reduction="none").expand(2), x, TARGETS)
+    with pytest.raises(ValueError, match="one norm per example"):
+        recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, torch.ones(3, dtype=torch.float64), 1.0, 0.0)
+    with pytest.raises(ValueError, match="max_norm"):
+        recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, torch.ones(5, dtype=torch.float64), 0.0, 0.0)
+    for bug in ("value", "shape"):  # a user's own error in forward surfaces from the norms and the step
+        buggy = BuggyGRU(bug).double()
+        with pytest.raises(ValueError if bug == "value" else RuntimeError):
+            norms(buggy, F.cross_entropy, REAL["GRU"][1], TARGETS)
+        with pytest.raises(ValueError if bug == "value" else RuntimeError):
+            recipes["clipped_noisy_gradient"](buggy, F.cross_entropy, REAL["GRU"][1], TARGETS, torch.ones(5, dtype=torch.float64), 1.0, 0.0)
+
+
+def ensemble_members(name, count=3):
+    """`count` copies of a zoo model whose floating-point parameters differ."""
+    model, _ = ZOO[name]
+    members = [copy.deepcopy(model) for _ in range(count)]
+    for k, member in enumerate(members):
+        with torch.no_grad():
+            for p in member.parameters():
+                p.add_(0.1 * k)
+    return members
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_stack_models_one_batch_per_model(recipes, name):
+    """in_dims=(0, 0, 0): model i sees its own batch xs[i]."""
+    _, x = ZOO[name]
+    members = ensemble_members(name)
+    xs = torch.stack([x.roll(k, dims=0) for k in range(len(members))])
+    forward, params, buffers = recipes["stack_models"](members)
+    assert close(forward(params, buffers, xs, per_model_batches=True), torch.stack([m(xi) for m, xi in zip(members, xs)]))
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_stack_models_gradients(recipes, name):
+    """The gradient of the summed per-model losses, sliced at model i, is model i's own gradient."""
+    _, x = ZOO[name]
+    members = ensemble_members(name)
+    forward, params, buffers = recipes["stack_models"](members)
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    losses = torch.vmap(F.cross_entropy, in_dims=(0, None))(forward(params, buffers, x), TARGETS)
+    stacked = dict(zip(trainable, torch.autograd.grad(losses.sum(), list(trainable.values()))))
+    for i, member in enumerate(members):
+        named = [(n, p) for n, p in member.named_parameters() if p.requires_grad]
+        own = torch.autograd.grad(F.cross_entropy(member(x), TARGETS), [p for _, p in named])
+        assert all(close(stacked[n][i], g) for (n, _), g in zip(named, own))
+
+
+def test_stack_models_ignores_later_changes_to_model_zero(recipes):
+    """The ensemble keeps the mode the models had when stacked: model 0 switched to train mode
+    afterwards (BatchNorm would then use batch statistics) does not change its output."""
+    _, x = ZOO["buffers, eval mode"]
+    members = ensemble_members("buffers, eval mode")
+    forward, params, buffers = recipes["stack_models"](members)
+    before = forward(params, buffers, x)
+    members[0].train()
+    assert torch.equal(forward(params, buffers, x), before)
+    members[0].eval()
+    assert close(before, torch.stack([m(x) for m in members]))
+
+
+def test_stack_models_refuses_mixed_modes(recipes):
+    members = ensemble_members("buffers, eval mode")
+    members[1].train()
+    with pytest.raises(ValueError, match="train/eval mode"):
+        recipes["stack_models"](members)
