@@ -31,7 +31,7 @@ def visible_prose(text: str) -> str:
         if match and match.group(2):
             body = lines[i + 1:i + 4]
             folded = match.group(2) == "dropdown" or any(re.match(r"\s*:class:.*dropdown", b) for b in body)
-            stack.append((match.group(1), folded or (stack and stack[-1][1])))
+            stack.append((match.group(1), folded or bool(stack and stack[-1][1])))
             if not stack[-1][1]:
                 kept.append(line)
             continue

@@ -151,3 +151,32 @@ def test_figure_check_catches_numbers_alone_and_an_unlabelled_plot(tmp_path):
         "numbers.ipynb cell 0: prints measurements but no plot is next to it",
         "numbers.ipynb cell 4: its plot lacks a y-axis label, a title, the hardware",
     ]
+
+
+# --- every chapter's main path reads in at most 30 minutes --------------------------------------
+
+spec = __import__("importlib.util").util.spec_from_file_location("read_time", ROOT / ".ci" / "read_time.py")
+read_time = __import__("importlib.util").util.module_from_spec(spec)
+spec.loader.exec_module(read_time)
+
+CHAPTERS = [p for p in PAGES if p.name[:2] not in {"00", "08", "09"}]  # not the front matter, the box or the glossary
+
+
+@pytest.mark.parametrize("md_path", CHAPTERS, ids=lambda p: p.name)
+def test_main_path_is_at_most_30_minutes(md_path):
+    words, lines, minutes = read_time.read_time(md_path)
+    assert minutes <= 30, f"{md_path.name}: {words} words + {lines} visible code lines = {minutes:.1f} min (fold or cut)"
+
+
+def test_read_time_counts_what_is_visible_and_skips_what_is_folded(tmp_path):
+    page = tmp_path / "page.md"
+    visible = "word " * 2000
+    code = "\n".join(f"x{i} = {i}" for i in range(150))
+    header = "---\njupytext:\n  text_representation:\n    extension: .md\n    format_name: myst\nkernelspec:\n  display_name: Python 3\n  language: python\n  name: python3\n---\n"
+    page.write_text(f"{header}# Page\n\n{visible}\n\n```{{code-cell}} ipython3\n{code}\n```\n\n"
+                    f":::{{dropdown}} More\n{visible * 3}\n:::\n\n"
+                    f"```{{code-cell}} ipython3\n:tags: [hide-input]\n\n{code}\n```\n")
+    words, lines, minutes = read_time.read_time(page)
+    assert (lines, round(minutes)) == (150, 20) and 2000 <= words <= 2005  # 10 + 10 min; the folded parts not counted
+    page.write_text(page.read_text().replace(":::{dropdown} More", ":::{note}"))  # unfolded: 6000 more words
+    assert read_time.read_time(page)[2] > 30
