@@ -1,6 +1,7 @@
 """Every recipe in the recipe box, exercised on models beyond its chapter's example (linear, 1-D and
 2-D convolutions, an embedding, LayerNorm, GroupNorm, a small attention block, a model with buffers
 in eval mode), in float64 on the CPU, against plain loops."""
+import contextlib
 import copy
 
 import jupytext
@@ -434,3 +435,43 @@ def test_stack_models_refuses_mixed_modes(recipes):
     members[1].train()
     with pytest.raises(ValueError, match="train/eval mode"):
         recipes["stack_models"](members)
+
+
+# --- Chapter 10's curvature recipes, as the box ships them, on every model of the zoo -------------
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_curvature_recipes_against_dense_matrices(recipes, name):
+    """param_hvp, ggn_vp and ggn_diagonal against the dense Hessian and Gauss-Newton matrix of a mean cross-entropy.
+
+    The fused CPU attention kernel has no second derivative (PyTorch raises "derivative for
+    aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented"), so the attention
+    model runs with the math kernel, which has one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH) if name == "attention" else contextlib.nullcontext():
+        _check_curvature_recipes(recipes, *ZOO[name])
+
+
+def _check_curvature_recipes(recipes, model, x):
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    sizes = [p.numel() for p in params.values()]
+
+    def unflat(w):
+        return {n: piece.view(p.shape) for (n, p), piece in zip(params.items(), w.split(sizes))}
+
+    def flat(d):
+        return torch.cat([d[n].reshape(-1) for n in params])
+
+    w = flat(params)
+    outputs_of = lambda w: torch.func.functional_call(model, unflat(w), (x,))
+    # reverse over reverse: torch.func.hessian (jacfwd of jacrev) is wrong through LayerNorm in torch 2.13
+    # (see Chapter 10; pytorch/pytorch#196700 is related) and has no forward-mode rule for CPU attention
+    H = torch.func.jacrev(torch.func.grad(lambda w: F.cross_entropy(outputs_of(w), TARGETS)))(w)  # P x P, dense
+    J = torch.func.jacrev(outputs_of)(w).reshape(len(x), -1, w.numel())  # (B, Y, P)
+    p = outputs_of(w).softmax(dim=1)
+    H_L = (torch.diag_embed(p) - p[:, :, None] * p[:, None, :]) / len(x)  # the loss's Hessian in each example's logits
+    G = torch.einsum("byp,byz,bzq->pq", J, H_L, J)
+    v = torch.randn(w.numel(), generator=torch.Generator().manual_seed(3), dtype=w.dtype)
+    assert close(flat(recipes["param_hvp"](model, F.cross_entropy, x, TARGETS, unflat(v))), H @ v)
+    assert close(flat(recipes["ggn_vp"](model, F.cross_entropy, x, TARGETS, unflat(v))), G @ v)
+    assert close(flat(recipes["ggn_diagonal"](model, F.cross_entropy, x, TARGETS)), G.diagonal())
