@@ -6,6 +6,7 @@ check is shown to catch what it guards.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import re
 import sys
@@ -20,6 +21,14 @@ BOOK = ROOT / "book"
 
 def notebooks(book: Path = BOOK) -> list[Path]:
     return sorted(book.glob("*.ipynb"))
+
+
+def ci_script(name: str):
+    """A script of .ci/ (build_recipe_box, build_shared, read_time), loaded as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / ".ci" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # --- table of contents ---------------------------------------------------------------------

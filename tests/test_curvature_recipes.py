@@ -1,14 +1,14 @@
 """Chapter 10's curvature recipes, as the recipe box ships them, in float64 on the CPU against dense
 matrices built by loops of autograd calls: on every model of test_recipes.py's zoo, on models whose
-parameters a layer-by-layer method could miscount (a custom forward, frozen parameters, a layer
-called twice, a weight used outside its layer), under other losses, and on their error messages."""
+parameters a layer-by-layer method could miscount (frozen parameters, a layer called twice, a weight
+used outside its layer, from test_adversarial_models.py), under other losses, and on their errors."""
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from test_adversarial_models import mixing
+from test_adversarial_models import CASES, mixing
 from test_recipes import TARGETS, ZOO, close, recipes  # noqa: F401 (fixture)
 
 X = torch.randn(5, 6, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
@@ -26,44 +26,20 @@ class Residual(nn.Module):
         return self.out(h + torch.sin(self.hidden(h)))
 
 
-class SharedLayer(nn.Module):
-    """One Linear called twice: the layer-by-layer GGN diagonal must not be used (each module once)."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp, self.shared, self.out = nn.Linear(6, 4), nn.Linear(4, 4), nn.Linear(4, 3)
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.shared(torch.tanh(self.shared(torch.tanh(self.inp(x)))))))
-
-
-class TiedOutput(nn.Module):
-    """A weight used inside its module and again outside it: the layers' products cannot rebuild the gradient."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp, self.out = nn.Linear(6, 3), nn.Linear(3, 3)
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        return self.out(h) + h @ self.inp.weight[:, :3]
-
-
 def own_models():
+    """Models whose parameters a layer-by-layer method could miscount, a custom forward and BatchNorm1d."""
     torch.manual_seed(0)
-    frozen = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4), nn.Sigmoid(), nn.Linear(4, 3))
-    frozen[2].weight.requires_grad_(False)
     batchnorm = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 3))
     batchnorm(torch.randn(16, 6, generator=torch.Generator().manual_seed(12)))
-    models = {"custom forward": Residual(), "frozen params": frozen, "BatchNorm1d, eval mode": batchnorm.eval(),
-              "shared layer": SharedLayer(), "tied weight": TiedOutput()}
+    models = {"custom forward": Residual(), "BatchNorm1d, eval mode": batchnorm.eval(),
+              **{name: CASES[name][0] for name in ["frozen parameters", "one layer used twice", "a weight used outside its layer"]}}
     return {name: (model.double(), X) for name, model in models.items()}
 
 
 MODELS = {**ZOO, **own_models()}
 # The estimators' tests solve for every eigenvalue (iterations = P): models with P below about 150.
-SMALL = ["linear", "conv1d", "LayerNorm", "custom forward", "frozen params", "BatchNorm1d, eval mode", "shared layer",
-         "tied weight"]
+SMALL = ["linear", "conv1d", "LayerNorm", *list(MODELS)[len(ZOO):]]
+GENERAL = ["one layer used twice", "a weight used outside its layer"]  # ggn_diagonal cannot use the layers' products
 
 
 def trainable(model):
@@ -188,7 +164,7 @@ def test_ggn_diagonal_takes_the_general_path_exactly_where_the_layers_cannot_reb
     monkeypatch.setitem(recipes, "_ggn_diagonal_by_vmap", refuse)
     for name in SMALL:
         model, x = MODELS[name]
-        if name in ("shared layer", "tied weight"):
+        if name in GENERAL:
             with pytest.raises(AssertionError, match="general path taken"):
                 recipes["ggn_diagonal"](model, F.cross_entropy, x, TARGETS)
         else:

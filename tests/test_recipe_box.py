@@ -1,14 +1,11 @@
 """The recipe box is generated from the chapters' `recipe` cells and must not drift from them."""
-import importlib.util
 import shutil
 
 import jupytext
 
-from bookcheck import BOOK, ROOT
+from bookcheck import BOOK, ROOT, ci_script
 
-spec = importlib.util.spec_from_file_location("build_recipe_box", ROOT / ".ci" / "build_recipe_box.py")
-build = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(build)
+build = ci_script("build_recipe_box")
 
 
 def test_box_matches_the_chapters():

@@ -1,14 +1,11 @@
 """Code that several notebooks need lives once in book/_shared/ and is copied by .ci/build_shared.py."""
-import importlib.util
 import shutil
 
 import jupytext
 
-from bookcheck import BOOK, ROOT
+from bookcheck import BOOK, ROOT, ci_script
 
-spec = importlib.util.spec_from_file_location("build_shared", ROOT / ".ci" / "build_shared.py")
-build = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(build)
+build = ci_script("build_shared")
 
 
 def test_every_copy_matches_its_source():
