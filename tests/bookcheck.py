@@ -50,18 +50,6 @@ def toc_entries(toc_path: Path) -> list[str]:
     return entries
 
 
-def toc_problems(toc_path: Path, book: Path) -> list[str]:
-    root = toc_path.parent
-    entries = toc_entries(toc_path)
-    problems = [f"_toc.yml lists {e}, but {e}.ipynb does not exist" for e in entries if not (root / f"{e}.ipynb").exists()]
-    listed = set(entries)
-    for nb in sorted(book.glob("*.ipynb")):
-        name = nb.relative_to(root).with_suffix("").as_posix()
-        if name not in listed:
-            problems.append(f"{name}.ipynb is not listed in _toc.yml")
-    duplicates = {e for e in entries if entries.count(e) > 1}
-    problems += [f"_toc.yml lists {e} more than once" for e in sorted(duplicates)]
-    return problems
 
 
 # --- executed notebooks --------------------------------------------------------------------

@@ -1,12 +1,6 @@
-"""Checks of the built site in a real browser: headless Chromium (Debian's `chromium` package),
-driven by Playwright, against the site served on 127.0.0.1.
-
-`inspect_page` opens one page and returns what a reader would meet there: console errors,
-requests that fail or leave the machine, images that did not load, mathematics MathJax did not
-typeset, how many code cells and outputs are on the page and visible, and the Colab links.
-tests/test_browser.py turns that into assertions, on the real site and on a site built from
-deliberately broken sources. (Internal links and anchors are checked on the built files by
-pytest-check-links, in tests/test_site.py.)
+"""Open a page of the built site in headless Chromium (driven by Playwright, served on 127.0.0.1)
+and report what a reader meets there (`inspect_page`); compare that with what its notebook promises
+(`expected_content`, `page_problems`). tests/test_browser.py makes the assertions.
 """
 from __future__ import annotations
 

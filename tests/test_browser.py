@@ -1,16 +1,10 @@
-"""The site as readers see it: every page opened in headless Chromium, served on 127.0.0.1, with
-every request that would leave the machine blocked (the site must read offline).
-
-Per page: no console or script error and no failed request; every image loads with a non-zero
-size, and the page shows exactly the notebook's plots; all mathematics is typeset by the MathJax
-shipped with the site (an undefined macro counts as an error); the code cells and outputs of the
-notebook are on the page (folded cells folded, the others visible); the Colab button opens this
-notebook on branch main. A full-page screenshot of each page goes to test-artifacts/screenshots/
-(JPEG). The last test opens a site built from broken sources (the `broken_site` fixture,
-conftest.py: a page per break) and checks that each break, and nothing else, is reported.
-
-Needs Chromium and Playwright; without them the tests are skipped with a message, except when the
-environment variable CI is set (to anything but "", "0" or "false"), where that is a failure.
+"""The site as readers see it: every page in headless Chromium (browsercheck.py), served on
+127.0.0.1 with every request that would leave the machine blocked: no console error or failed
+request, images loaded and exactly the notebook's plots, all math typeset by the shipped MathJax,
+the notebook's cells and outputs (folded ones folded), and a Colab button for this notebook on
+branch main. Screenshots go to test-artifacts/screenshots/. The last test opens the site built
+from broken sources (conftest.py) and requires each break, and nothing else, to be reported.
+Without Chromium and Playwright the tests skip, or fail when the environment variable CI is set.
 """
 import os
 import shutil

@@ -85,10 +85,13 @@ def loop_output_jacobian(model, x):
     return torch.stack(rows)
 
 
+def loop_norms(model, x, t):
+    return torch.cat([g.flatten(1) for g in loop_per_sample(model, x, t).values()], dim=1).norm(dim=1)
+
+
 def test_clip_and_noise(recipes):
     model, x = ZOO["conv2d"]
-    per_sample = loop_per_sample(model, x, TARGETS)
-    norms = torch.stack([torch.cat([g[i].flatten() for g in per_sample.values()]).norm() for i in range(len(x))])
+    per_sample, norms = loop_per_sample(model, x, TARGETS), loop_norms(model, x, TARGETS)
     max_norm = norms.median().item()
     got = recipes["clip_and_noise"](per_sample, max_norm, 0.0)
     scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
@@ -242,12 +245,14 @@ class BuggyGRU(Recurrent):
 
 @pytest.mark.parametrize("bug", ["value", "shape"])
 def test_users_own_error_still_raises(recipes, bug):
-    model, x = BuggyGRU(bug).double(), REAL["GRU"][1]
-    error = ValueError if bug == "value" else RuntimeError
-    with pytest.raises(error, match="my own check|must match|size of tensor|broadcast"):
-        recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS)
-    with pytest.raises(error, match="my own check|must match|size of tensor|broadcast"):
-        recipes["output_jacobian"](model, x)
+    """From every recipe that falls back to the loop where vmap cannot run a model."""
+    model, x, ones = BuggyGRU(bug).double(), REAL["GRU"][1], torch.ones(5, dtype=torch.float64)
+    for call in (lambda: recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS),
+                 lambda: recipes["output_jacobian"](model, x),
+                 lambda: recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS),
+                 lambda: recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, ones, 1.0, 0.0)):
+        with pytest.raises(ValueError if bug == "value" else RuntimeError, match="my own check|must match|size of tensor|broadcast"):
+            call()
 
 
 def test_only_known_vmap_gaps_are_recognised(recipes):
@@ -273,11 +278,6 @@ def test_fallback_matcher_is_the_same_in_chapters_3_and_4():
 # Per-sample gradient norms without B·P (book/11_real_models.md): per_sample_grad_norms equals the norms
 # of the loop's per-example gradients on every model above, whichever path it takes, and
 # clipped_noisy_gradient equals clip_and_noise applied to the loop's per-example gradients.
-def loop_norms(model, x, t):
-    grads = loop_per_sample(model, x, t)
-    return torch.cat([g.flatten(1) for g in grads.values()], dim=1).norm(dim=1)
-
-
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
 @pytest.mark.parametrize("name", list(ALL_MODELS))
 def test_per_sample_grad_norms_and_clipped_step(recipes, name):
@@ -286,6 +286,11 @@ def test_per_sample_grad_norms_and_clipped_step(recipes, name):
     norms, report = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, report=True)
     assert close(norms, expected)
     assert close(recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, chunk_size=2), expected)
+    with torch.inference_mode():  # inputs made under inference mode, and a call under no_grad
+        frozen_x, frozen_t = x.clone(), TARGETS.clone()
+    with torch.no_grad():
+        assert close(recipes["per_sample_grad_norms"](model, F.cross_entropy, frozen_x, frozen_t), expected)
+    assert recipes["per_sample_grad_norms"](model, F.cross_entropy, x[:0], TARGETS[:0]).shape == (0,)
     assert sorted(report.ghost + report.direct + report.streamed) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
     max_norm = expected.median().item()
     step = recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, norms, max_norm, 0.0)
@@ -312,14 +317,7 @@ def test_norms_use_the_token_pairs_on_linear_layers_and_catch_a_missing_share(re
 def test_norms_edge_cases_and_errors(recipes):
     model, x = ZOO["linear"]
     norms = recipes["per_sample_grad_norms"]
-    assert norms(model, F.cross_entropy, x[:0], TARGETS[:0]).shape == (0,)
     assert close(norms(model, F.cross_entropy, x[:1], TARGETS[:1]), loop_norms(model, x[:1], TARGETS[:1]))
-    expected = loop_norms(model, x, TARGETS)
-    with torch.no_grad():
-        assert close(norms(model, F.cross_entropy, x, TARGETS), expected)
-    with torch.inference_mode():
-        xi, ti = x.clone(), TARGETS.clone()
-        assert close(norms(model, F.cross_entropy, xi, ti), expected)
     with pytest.raises(ValueError, match="one row per example"):
         norms(model, F.cross_entropy, x, TARGETS[:3])
     with pytest.raises(ValueError, match="chunk_size"):
@@ -330,12 +328,6 @@ def test_norms_edge_cases_and_errors(recipes):
         recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, torch.ones(3, dtype=torch.float64), 1.0, 0.0)
     with pytest.raises(ValueError, match="max_norm"):
         recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, torch.ones(5, dtype=torch.float64), 0.0, 0.0)
-    for bug in ("value", "shape"):  # a user's own error in forward surfaces from the norms and the step
-        buggy = BuggyGRU(bug).double()
-        with pytest.raises(ValueError if bug == "value" else RuntimeError):
-            norms(buggy, F.cross_entropy, REAL["GRU"][1], TARGETS)
-        with pytest.raises(ValueError if bug == "value" else RuntimeError):
-            recipes["clipped_noisy_gradient"](buggy, F.cross_entropy, REAL["GRU"][1], TARGETS, torch.ones(5, dtype=torch.float64), 1.0, 0.0)
 
 
 def ensemble_members(name, count=3):
