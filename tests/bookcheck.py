@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import re
 import sys
 from pathlib import Path
@@ -50,8 +49,6 @@ def toc_entries(toc_path: Path) -> list[str]:
     return entries
 
 
-
-
 # --- executed notebooks --------------------------------------------------------------------
 
 def execution_problems(notebook: Path | nbformat.NotebookNode, name: str = "") -> list[str]:
@@ -84,37 +81,20 @@ def execution_problems(notebook: Path | nbformat.NotebookNode, name: str = "") -
 
 # --- self-contained notebooks ----------------------------------------------------------------
 
-def _repository_python_files(root: Path) -> list[Path]:
-    """The .py files of the repository, leaving out virtual environments (.venv, .venv-torch-2.14.1, venv)."""
-    found = []
-    for folder, subfolders, files in os.walk(root):
-        subfolders[:] = [d for d in subfolders if not d.startswith((".venv", "venv", ".git"))]
-        found += [Path(folder) / name for name in files if name.endswith(".py")]
-    return found
-
-
-def local_import_problems(nb_path: Path, root: Path = ROOT) -> list[str]:
-    """Imports of anything that is not installed, such as a module that lives in this repository."""
-    nb = nbformat.read(nb_path, as_version=4)
+def local_import_problems(nb_path: Path) -> list[str]:
+    """Imports of a module or package that lives in this repository (Colab opens one file), or relative ones."""
+    local = {p.stem for folder in ("tests", ".ci", "book") for p in (ROOT / folder).rglob("*.py")} | {
+        p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")} - set(sys.stdlib_module_names)
     problems = []
-    local_names = {p.stem for p in _repository_python_files(root)} | {
-        p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
-    }
-    for index, cell in enumerate(nb.cells):
+    for index, cell in enumerate(nbformat.read(nb_path, as_version=4).cells):
         if cell.cell_type != "code":
             continue
         source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] if node.level == 0 else ["." * node.level]
-            else:
-                continue
-            for name in names:
-                top = name.split(".")[0]
-                if not top or top in local_names and top not in sys.stdlib_module_names:
-                    problems.append(f"{nb_path.name} cell {index} imports {name!r}, which is not an installed package")
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module if node.level == 0 else "."] if isinstance(node, ast.ImportFrom) else [])
+            problems += [f"{nb_path.name} cell {index} imports {name!r}, which is not an installed package"
+                         for name in names if name.split(".")[0] in local | {""}]
     return problems
 
 

@@ -123,23 +123,6 @@ def test_the_adversarial_models_differ_from_the_fast_paths_arithmetic(recipes):
     assert not all(torch.allclose(out[k], expected[k], rtol=1e-10, atol=1e-12) for k in expected)
 
 
-def test_fast_path_under_no_grad_inference_mode_and_small_batches(recipes):
-    model, x, _ = case("seed CNN as a class")
-    expected = loop_per_sample(model, x, TARGETS)
-    for context in (torch.no_grad, torch.inference_mode):
-        with context():
-            got = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS)
-            jac = recipes["output_jacobian"](model, x)
-        assert all(close(got[k], expected[k]) for k in expected) and close(jac, loop_output_jacobian(model, x))
-    one, report = recipes["per_sample_grads"](model, F.cross_entropy, x[:1], TARGETS[:1], report=True)
-    assert report.path == "fast" and all(close(one[k], expected[k][:1]) for k in expected)
-    assert close(recipes["output_jacobian"](model, x[:1]), loop_output_jacobian(model, x[:1]))
-    empty = recipes["per_sample_grads"](model, F.cross_entropy, x[:0], TARGETS[:0])
-    assert {k: tuple(v.shape) for k, v in empty.items()} == {k: (0, *p.shape) for k, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="batch of 0"):
-        recipes["output_jacobian"](model, x[:0])
-
-
 @pytest.mark.parametrize("model", [mixing(lambda h: h * (1.0 + 0.0 * h.max().item())),
                                    mlp(lambda m: m[0].register_full_backward_hook(lambda module, grad_in, grad_out: None))],
                          ids=[".item() in forward", "a backward hook"])

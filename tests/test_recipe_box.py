@@ -2,6 +2,7 @@
 import shutil
 
 import jupytext
+import pytest
 
 from bookcheck import BOOK, ROOT, ci_script
 
@@ -37,7 +38,6 @@ def test_drift_is_detected(tmp_path, monkeypatch):
 def test_generator_refuses_a_recipe_without_example_and_an_unimported_name(monkeypatch):
     """The box's usage examples and imports are computed: a recipe no example calls, or a name the
     recipes use that nothing imports, stops generation with a message naming it."""
-    import pytest
     found = build.recipe_cells()
     with_new = found + [(found[0][0], found[0][1], "def brand_new_recipe(x):\n    return x")]
     monkeypatch.setattr(build, "recipe_cells", lambda: with_new)

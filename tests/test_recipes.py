@@ -198,8 +198,11 @@ def test_per_sample_grads(recipes, name):
             grads(path="general")
     buffers = {k: torch.full_like(v, float("nan")) for k, v in expected.items()}
     assert all(v is buffers[k] for k, v in grads(out=buffers).items()) and same(buffers)
-    with torch.no_grad():
-        assert same(grads())
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            assert same(grads())
+    one = recipes["per_sample_grads"](model, F.cross_entropy, x[:1], TARGETS[:1])
+    assert all(close(one[k], expected[k][:1]) for k in expected)
     empty = recipes["per_sample_grads"](model, F.cross_entropy, x[:0], TARGETS[:0])
     assert all(empty[k].shape == (0, *v.shape[1:]) for k, v in expected.items())
 
@@ -222,7 +225,11 @@ def test_output_jacobian_and_ntk(recipes, name):
     assert jacobian(out=buffer) is buffer and close(buffer, expected)
     with torch.inference_mode():
         frozen_x = x.clone()
-    assert close(jacobian(frozen_x), expected)
+        assert close(jacobian(), expected)
+    with torch.no_grad():
+        assert close(jacobian(frozen_x), expected) and close(jacobian(x[:1]), expected[:1])
+    with pytest.raises(ValueError, match="batch of 0"):
+        jacobian(x[:0])
     pieces = recipes["split_by_parameter"](expected, model)
     assert list(pieces) == [n for n, p in model.named_parameters() if p.requires_grad]
     assert all(piece.shape[2:] == p.shape for piece, p in zip(pieces.values(), model.parameters()))

@@ -26,7 +26,7 @@ def test_every_shared_file_is_used_and_every_copy_is_folded():
 
 
 def test_drift_is_detected(tmp_path):
-    """Edit one copy in a scratch book: --check names exactly that cell, and sync repairs it."""
+    """Edit one copy in a scratch book: the check names exactly that cell, and sync repairs it."""
     (tmp_path / "book").mkdir()
     shutil.copytree(BOOK / "_shared", tmp_path / "book" / "_shared")
     for path in list(BOOK.glob("*.md")) + list(BOOK.glob("*.ipynb")):
