@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from test_adversarial_models import CASES, mixing
-from test_recipes import TARGETS, ZOO, close, recipes  # noqa: F401 (fixture)
+from test_recipes import TARGETS, ZOO, close, grad_rows, recipes  # noqa: F401 (fixture)
 
 X = torch.randn(5, 6, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
 
@@ -56,13 +56,6 @@ def unflat(vector, model):
     return {n: piece.view(p.shape) for n, piece, p in zip(names, vector.split(sizes), trainable(model))}
 
 
-def grad_rows(outputs, model, **kwargs):
-    """One row per entry of `outputs`: its gradient in every trainable parameter, by plain autograd."""
-    return torch.stack([torch.cat([a.reshape(-1) for a in torch.autograd.grad(o, trainable(model), retain_graph=True,
-                                                                             materialize_grads=True, **kwargs)])
-                        for o in outputs.reshape(-1)])
-
-
 def gradient(model, x, t, loss=F.cross_entropy):
     """The loss's gradient in every trainable parameter, flat, with its graph (for second derivatives)."""
     return torch.cat([a.reshape(-1) for a in torch.autograd.grad(loss(model(x), t), trainable(model), create_graph=True)])
@@ -101,8 +94,7 @@ def test_products(recipes, name):
         assert close(flat(fisher), g.T @ (g @ v) / len(x))
 
 
-LOSSES = {  # cross-entropy's closed form must serve the first two only (class weights and ignored targets: test_errors)
-    "mean": (F.cross_entropy, TARGETS),
+LOSSES = {  # the closed form of cross-entropy must serve "sum" (and the mean, above) only; class weights: test_errors
     "sum": (nn.CrossEntropyLoss(reduction="sum"), TARGETS),
     "a function of its own": (lambda o, t: F.cross_entropy(o, t), TARGETS),
     "label smoothing": (nn.CrossEntropyLoss(label_smoothing=0.1), TARGETS),
@@ -119,7 +111,7 @@ def test_other_losses(recipes, loss_name):
 
 
 @pytest.mark.parametrize("name", SMALL)
-def test_estimators_and_eigenvalues(recipes, name):
+def test_estimators_eigenvalues_ggn_shares_gauss_newton_step_and_influence(recipes, name):
     model, x = MODELS[name]
     H = grad_rows(gradient(model, x, TARGETS), model)
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
@@ -133,12 +125,6 @@ def test_estimators_and_eigenvalues(recipes, name):
     top = recipes["top_hessian_eigenvalues"](model, F.cross_entropy, x, TARGETS, k=3, iterations=H.shape[0],
                                              generator=torch.Generator().manual_seed(5))
     assert close(top, torch.linalg.eigvalsh(H).flip(0)[:3], rtol=1e-9)
-
-
-@pytest.mark.parametrize("name", SMALL)
-def test_ggn_diagonal_shares_gauss_newton_step_and_influence(recipes, name):
-    model, x = MODELS[name]
-    H = grad_rows(gradient(model, x, TARGETS), model)
     J, H_L, G, g = gauss_newton(model, x, TARGETS)
     P, Y = H.shape[0], 3
     shares = recipes["ggn_diagonal"](model, F.cross_entropy, x, TARGETS, per_sample=True)

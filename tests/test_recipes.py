@@ -75,14 +75,15 @@ def loop_per_sample(model, x, t):
     return {n: torch.stack([r[i] for r in rows]) for i, (n, _) in enumerate(m for m in model.named_parameters() if m[1].requires_grad)}
 
 
-def loop_output_jacobian(model, x):
+def grad_rows(outputs, model):
+    """One row per entry of `outputs`: its gradient in every trainable parameter, by plain autograd."""
     params = [p for p in model.parameters() if p.requires_grad]
-    rows = []
-    for xi in x:
-        out = model(xi[None])[0]
-        rows.append(torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(out[j], params, retain_graph=True)])
-                                 for j in range(out.shape[0])]))
-    return torch.stack(rows)
+    return torch.stack([torch.cat([a.reshape(-1) for a in torch.autograd.grad(o, params, retain_graph=True, materialize_grads=True)])
+                        for o in outputs.reshape(-1)])
+
+
+def loop_output_jacobian(model, x):
+    return torch.stack([grad_rows(model(xi[None])[0], model) for xi in x])
 
 
 def loop_norms(model, x, t):
@@ -260,18 +261,6 @@ def test_users_own_error_still_raises(recipes, bug):
                  lambda: recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, ones, 1.0, 0.0)):
         with pytest.raises(ValueError if bug == "value" else RuntimeError, match="my own check|must match|size of tensor|broadcast"):
             call()
-
-
-def test_only_known_vmap_gaps_are_recognised(recipes):
-    """The fallback's matcher: vmap's known gaps give a reason, anything else None (so it is re-raised)."""
-    known = recipes["_unsupported_by_vmap"]
-    gru, plain = REAL["GRU"][0], nn.Linear(2, 2)
-    assert known(RuntimeError("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks. Please"), plain)
-    assert known(RuntimeError("Batching rule not implemented for aten::gru.input. We could not generate a fallback."), plain)
-    assert known(RuntimeError("output with shape [1, 6] doesn't match the broadcast shape [5, 1, 6]"), gru)
-    assert known(RuntimeError("output with shape [1, 6] doesn't match the broadcast shape [5, 1, 6]"), plain) is None
-    assert known(RuntimeError("vmap: It looks like you're calling .item() on a Tensor"), gru) is None
-    assert known(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), gru) is None
 
 
 def test_fallback_matcher_is_the_same_in_chapters_3_and_4():
