@@ -33,20 +33,9 @@ def ci_script(name: str):
 # --- table of contents ---------------------------------------------------------------------
 
 def toc_entries(toc_path: Path) -> list[str]:
-    """Every file named in a jb-book _toc.yml, root first, without suffix."""
+    """Every page of a jb-book _toc.yml made of parts of chapters (as ours is), root first, without suffix."""
     toc = yaml.safe_load(toc_path.read_text())
-    entries = [toc["root"]]
-
-    def walk(items):
-        for item in items or []:
-            if "file" in item:
-                entries.append(item["file"])
-            walk(item.get("sections"))
-
-    for part in toc.get("parts", []):
-        walk(part.get("chapters"))
-    walk(toc.get("chapters"))
-    return entries
+    return [toc["root"]] + [chapter["file"] for part in toc["parts"] for chapter in part["chapters"]]
 
 
 # --- executed notebooks --------------------------------------------------------------------
