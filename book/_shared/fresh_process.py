@@ -1,5 +1,6 @@
 import json
 import linecache
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,7 +27,9 @@ def run_fresh(name, cells, call, *, huge_pages=False):
     setting = 'os.environ["THP_MEM_ALLOC_ENABLE"] = "1"' if huge_pages else 'os.environ.pop("THP_MEM_ALLOC_ENABLE", None)'
     header = f"# Written by run_fresh from a notebook's cells; rerun with: python {script}\nimport os\n\n{setting}\n"
     script.parent.mkdir(parents=True, exist_ok=True)
-    script.write_text("\n\n".join([header, *(cell_of(obj) for obj in cells), f"import json\nprint(json.dumps({call}))\n"]))
+    draft = script.with_name(f"{script.stem}.{os.getpid()}.tmp")  # then renamed: a run elsewhere never reads half a file
+    draft.write_text("\n\n".join([header, *(cell_of(obj) for obj in cells), f"import json\nprint(json.dumps({call}))\n"]))
+    os.replace(draft, script)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"python {script} failed (open it to see the code it ran):\n{done.stderr[-3000:]}")
