@@ -252,8 +252,8 @@ def browser():
         if in_ci():
             pytest.fail(f"CI must run the browser test, but {HOW_TO_ENABLE}")
         pytest.skip(HOW_TO_ENABLE)
-    with chromium(executable) as chromium:
-        yield chromium
+    with chromium(executable) as launched:
+        yield launched
 
 
 def inspect_site(browser, site, entries, screenshots=False):
