@@ -8,12 +8,9 @@ from bookcheck import BOOK, ROOT, ci_script
 build = ci_script("build_shared")
 
 
-def test_every_copy_matches_its_source():
+def test_every_copy_matches_its_source_is_folded_and_every_shared_file_is_used():
     stale = build.sync(write=False)
     assert not stale, "run: python .ci/build_shared.py; stale copies: " + ", ".join(stale)
-
-
-def test_every_shared_file_is_used_and_every_copy_is_folded():
     used = set()
     for path in sorted(BOOK.glob("*.md")):
         for cell in jupytext.read(path).cells:
