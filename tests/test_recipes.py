@@ -310,6 +310,46 @@ def test_norms_use_the_token_pairs_on_linear_layers_and_catch_a_missing_share(re
         model.head.bias.requires_grad_(True)
 
 
+# The norms' fast path (one traced batched pass; LayerNorm and embedding weights as layers of their own):
+# taken exactly where the trace covers every parameter; anything else goes to vmap or the loop.
+NORMS_PATH = {"GroupNorm": "vmap", "attention": "vmap", "buffers, eval mode": "vmap", "transformer": "vmap", "LSTM": "loop", "GRU": "loop"}
+
+
+class MixesExamples(nn.Module):
+    """Subtracts the batch mean: the batched pass mixes examples, so the fast path must not be taken."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(11, 4, padding_idx=0), nn.LayerNorm(4), nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        h = self.norm(self.embed(tokens)).mean(1)
+        return self.head(h - h.mean(0))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("name", list(ALL_MODELS))
+def test_norms_take_the_fast_path_where_the_trace_covers_every_parameter(recipes, name):
+    model, x = ALL_MODELS[name]
+    _, report = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, report=True)
+    assert report.path == NORMS_PATH.get(name, "fast"), report.reason
+
+
+def test_norms_fast_path_padding_rows_and_a_model_that_mixes_examples(recipes):
+    norms = recipes["per_sample_grad_norms"]
+    tokens = REAL["transformer"][1]  # padding id 0, repeated ids within a sequence
+    padded = nn.Sequential(nn.Embedding(11, 4, padding_idx=0), nn.LayerNorm(4), nn.Flatten(), nn.Linear(24, 3)).double()
+    found, report = norms(padded, F.cross_entropy, tokens, TARGETS, report=True)
+    assert report.path == "fast" and "0.weight" in report.ghost and close(found, loop_norms(padded, tokens, TARGETS))
+    padded[0].padding_idx = None  # the padding row's share counted: the norms must differ
+    assert not torch.allclose(norms(padded, F.cross_entropy, tokens, TARGETS), found)
+    mixer = MixesExamples().double()
+    found, report = norms(mixer, F.cross_entropy, tokens, TARGETS, report=True)
+    assert report.path == "vmap" and "batch dimension" in report.reason and close(found, loop_norms(mixer, tokens, TARGETS))
+    with pytest.raises(ValueError, match="fast path does not apply"):
+        norms(mixer, F.cross_entropy, tokens, TARGETS, path="fast")
+
+
 def test_norms_edge_cases_and_errors(recipes):
     model, x = ZOO["linear"]
     norms = recipes["per_sample_grad_norms"]

@@ -49,8 +49,9 @@ class _BatchTrace(TorchDispatchMode):
         aten.rand_like.default, aten.randn_like.default, aten.new_zeros.default, aten.new_ones.default,
         aten.new_empty.default, aten.new_full.default}
 
-    def __init__(self, batch, inputs, trainable):
+    def __init__(self, batch, inputs, trainable, kinds=()):
         super().__init__()
+        self.kinds = frozenset(kinds)  # extra layer kinds to record: "layer_norm", "embedding" (Chapter 11's norms)
         self.batch, self.rows, self.keep = batch, {id(inputs): 1}, [inputs]
         self.trainable = {id(p): name for name, p in trainable.items()}
         self.transposed = {}  # id(weight.t()) -> name of the weight
@@ -146,6 +147,23 @@ class _BatchTrace(TorchDispatchMode):
                                         a=a, z=result, r=1, stride=stride, padding=padding, dilation=dilation,
                                         weight_shape=w.shape, versions=(a._version, result._version)))
             return 1
+        if func is self.aten.native_layer_norm.default and "layer_norm" in self.kinds and params and not transposed:
+            values = self.values_of(func, args, kwargs)
+            x, shape, w, b = values["input"], values["normalized_shape"], values["weight"], values["bias"]
+            if self.r_of(x) is None or self.r_of(w) is not None or self.r_of(b) is not None or len(shape) >= x.dim():
+                self.fail(f"{func}: only the input may carry example data, normalised within each row")
+            self.layers.append(dict(kind="layer_norm", weight=self.use(self.param_of(w), func), bias=self.use(self.param_of(b), func),
+                                    a=x, z=result[0], r=self.r_of(x), shape=list(shape), eps=values["eps"],
+                                    versions=(x._version, result[0]._version)))
+            return self.r_of(x)
+        if func is self.aten.embedding.default and "embedding" in self.kinds and params and not transposed:
+            values = self.values_of(func, args, kwargs)
+            w, ids = values["weight"], values["indices"]
+            if self.param_of(w) is None or self.r_of(ids) is None or values["scale_grad_by_freq"]:
+                self.fail(f"{func}: only the indices may carry example data, without scale_grad_by_freq")
+            self.layers.append(dict(kind="embedding", weight=self.use(self.param_of(w), func), bias=None, a=ids, z=result,
+                                    r=self.r_of(ids), padding_idx=values["padding_idx"], versions=(ids._version, result._version)))
+            return self.r_of(ids)
         if params or transposed:
             self.fail(f"{func} uses parameter {(params + transposed)[0]} in a way the fast path does not know")
         if r is None:  # derived from constants only
@@ -240,13 +258,16 @@ def _check_model(model, inputs):
     return trainable
 
 
-def _fast_path_screen(model, trainable):
-    """Reasons, known before running anything, why the fast path cannot apply (None if it may)."""
+def _fast_path_screen(model, trainable, kinds=()):
+    """Reasons, known before running anything, why the fast path cannot apply (None if it may).
+    kinds: the extra layer kinds the caller handles ("layer_norm", "embedding"); Chapters 3 and 4 handle none."""
     owners = {id(p): (module, name) for module in model.modules() for name, p in module._parameters.items() if p is not None}
+    covered = (nn.Linear, nn.Conv1d, nn.Conv2d) + tuple({"layer_norm": nn.LayerNorm, "embedding": nn.Embedding}[k] for k in kinds)
     for full_name, p in trainable.items():
         module, short = owners[id(p)]
-        if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)) or short not in ("weight", "bias"):
-            return f"parameter {full_name} belongs to {type(module).__name__}, not to a linear or convolution layer"
+        if not isinstance(module, covered) or short not in ("weight", "bias"):
+            return f"parameter {full_name} belongs to {type(module).__name__}, not to a " + (
+                "linear or convolution layer" if not kinds else "layer the fast path covers")
     for name, module in model.named_modules():
         if module._backward_hooks or module._backward_pre_hooks:
             return f"{name or 'the model'} has a backward hook"
@@ -255,9 +276,10 @@ def _fast_path_screen(model, trainable):
     return None
 
 
-def _traced_forward(model, inputs, trainable):
-    """Runs model(inputs) under the trace. Returns (output, layers, None) or (None, None, reason)."""
-    tracer = _BatchTrace(inputs.shape[0], inputs, trainable)
+def _traced_forward(model, inputs, trainable, kinds=()):
+    """Runs model(inputs) under the trace. Returns (output, layers, None) or (None, None, reason).
+    kinds: extra layer kinds to record ("layer_norm", "embedding"); Chapters 3 and 4 ask for none."""
+    tracer = _BatchTrace(inputs.shape[0], inputs, trainable, kinds)
     try:
         with tracer:
             output = model(inputs)
@@ -269,7 +291,7 @@ def _traced_forward(model, inputs, trainable):
         return None, None, "the model's output is not one tensor with the examples along dimension 0"
     unused = [name for name in trainable if name not in tracer.used]
     if unused:
-        return None, None, f"parameter {unused[0]} is not used as the weight or bias of a linear or convolution operation"
+        return None, None, f"parameter {unused[0]} is not used as the weight or bias of a {' or '.join(['linear', 'convolution', *sorted(kinds)])} operation"
     for layer in tracer.layers:
         if (layer["a"]._version, layer["z"]._version) != layer["versions"]:
             return None, None, f"an in-place operation changed the input or output of the layer of {layer['weight'] or layer['bias']}"
