@@ -25,19 +25,21 @@ class _CannotUnroll(Exception):
 
 
 def _gru_cell(gi, h, c, w):
-    """PyTorch's GRU step, gates in its order (r, z, n), written as its fused CPU kernel writes it."""
-    r_i, z_i, n_i = gi.chunk(3, dim=-1)
-    r_h, z_h, n_h = F.linear(h, w["weight_hh"], w.get("bias_hh")).chunk(3, dim=-1)
-    r, z = torch.sigmoid(r_h + r_i), torch.sigmoid(z_h + z_i)
-    n = torch.tanh(n_i + n_h * r)
+    """PyTorch's GRU step, gates in its order (r, z, n), written as its fused CPU kernel writes it
+    (few, wide operations: under vmap each one costs a dispatch, forward and backward)."""
+    gh = F.linear(h, w["weight_hh"], w.get("bias_hh"))
+    size = h.shape[-1]
+    r, z = torch.sigmoid(gh[..., : 2 * size] + gi[..., : 2 * size]).chunk(2, dim=-1)
+    n = torch.tanh(gi[..., 2 * size :] + gh[..., 2 * size :] * r)
     return (h - n) * z + n, None
 
 
 def _lstm_cell(gi, h, c, w):
     """PyTorch's LSTM step, gates in its order (i, f, g, o), then the projection where proj_size > 0."""
-    i, f, g, o = (F.linear(h, w["weight_hh"], w.get("bias_hh")) + gi).chunk(4, dim=-1)
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    h = torch.sigmoid(o) * torch.tanh(c)
+    gates = F.linear(h, w["weight_hh"], w.get("bias_hh")) + gi
+    i, f, _, o = torch.sigmoid(gates).chunk(4, dim=-1)  # one sigmoid for all; g takes tanh instead
+    c = f * c + i * torch.tanh(gates[..., 2 * c.shape[-1] : 3 * c.shape[-1]])
+    h = o * torch.tanh(c)
     return (h if "weight_hr" not in w else F.linear(h, w["weight_hr"])), c
 
 
