@@ -361,6 +361,17 @@ class Packed(nn.Module):
         return self.head(nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0][:, -1])
 
 
+class CheckpointedGRU(nn.Module):
+    """A GRU under torch.utils.checkpoint: unrolled, vmap still meets checkpointing's gap, so the loop runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.GRU(3, 5, batch_first=True), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(checkpoint(lambda x: self.rnn(x)[0][:, -1], x, use_reentrant=False))
+
+
 RECURRENT = {  # name: (factory, expected path)
     "GRU": (lambda: RecurrentHead(nn.GRU(3, 5, batch_first=True)), "unroll"),
     "LSTM": (lambda: RecurrentHead(nn.LSTM(3, 5, batch_first=True)), "unroll"),
@@ -375,6 +386,7 @@ RECURRENT = {  # name: (factory, expected path)
     "subclass keeping forward": (lambda: RecurrentHead(PlainSubclassGRU(3, 5, batch_first=True)), "unroll"),
     "subclass overriding forward": (lambda: RecurrentHead(DoublingGRU(3, 5, batch_first=True)), "loop"),
     "PackedSequence": (Packed, "loop"),
+    "GRU under checkpoint": (CheckpointedGRU, "loop"),
 }
 
 
@@ -392,8 +404,14 @@ def test_recurrent_layers(recipes, name):
         assert all(close(grads[k], expected[k]) for k in expected)
         jacobian, report = recipes["output_jacobian"](model, x, report=True)
         assert report.path == expected_path and close(jacobian, loop_output_jacobian(model, x))
-        if expected_path == "loop":  # the unroll refuses (or leaves the layer alone) and says so when forced
+        if expected_path == "unroll":
+            forced = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, path="unroll")
+            assert all(close(forced[k], expected[k]) for k in expected)
+        elif name != "GRU under checkpoint":  # the unroll refuses (or leaves the layer alone) and says so when forced
             with pytest.raises(ValueError, match="unroll"):
+                recipes["output_jacobian"](model, x, path="unroll")
+        else:  # forced, vmap's gap is raised, not looped away
+            with pytest.raises(RuntimeError):
                 recipes["output_jacobian"](model, x, path="unroll")
     assert all("forward" not in vars(m) for m in model.modules())  # the fused forward is back
 
