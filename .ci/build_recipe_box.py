@@ -1,7 +1,6 @@
 """Generate book/08_recipe_box.md from every cell tagged `recipe` in the chapters, in _toc.yml order.
 
     python .ci/build_recipe_box.py           # write book/08_recipe_box.md
-    python .ci/build_recipe_box.py --check   # exit 1 if the box differs from the chapters' recipe cells
 
 The box is never edited by hand: tests/test_recipe_box.py fails when a chapter's recipe and the box
 differ. After regenerating, store its outputs with `make outputs NB=book/08_recipe_box.md`.
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -28,8 +26,10 @@ from pathlib import Path
 import jupytext
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import build_shared  # noqa: E402  (the shared basics, from the real book even when ROOT is pointed at a scratch copy)
+
 ROOT = Path(__file__).resolve().parents[1]
-HERE = ROOT  # where build_shared.py and book/_shared live (ROOT may be pointed at a scratch copy of the book)
 BOX = ROOT / "book" / "08_recipe_box.md"
 
 FRONT_MATTER = '''---
@@ -172,9 +172,7 @@ print(list(named), matches(functional_call(tiny, named, (xs,)), tiny(xs)))''',
 
 
 class Cell:
-    """One recipe cell (or example), with what its source defines and uses.
-
-    (A plain class: tests load this script without registering it as a module, which dataclasses need.)"""
+    """One recipe cell (or example), with what its source defines and uses."""
 
     def __init__(self, page: str, source: str):
         self.page, self.source = page, source
@@ -221,16 +219,11 @@ def analyse(page: str, source: str) -> Cell:
     return cell
 
 
-def toc_pages(root: Path | None = None) -> list[tuple[str, bool]]:
+def toc_pages() -> list[tuple[str, bool]]:
     """(file, numbered?) for every page of _toc.yml but the box itself, in book order."""
-    root = root or ROOT
-    toc = yaml.safe_load((root / "_toc.yml").read_text())
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
     return [(entry["file"], bool(part.get("numbered"))) for part in toc.get("parts", [])
             for entry in part.get("chapters", []) if not entry["file"].endswith("08_recipe_box")]
-
-
-def chapters() -> list[Path]:
-    return [ROOT / f"{name}.md" for name, _ in toc_pages()]
 
 
 def page_title(path: Path, numbered: bool) -> str:
@@ -252,14 +245,6 @@ def recipe_cells() -> list[tuple[str, str, str]]:
             if cell.cell_type == "code" and "recipe" in cell.metadata.get("tags", []):
                 found.append((path.name, heading, cell.source.strip()))
     return found
-
-
-def shared_basics() -> str:
-    """The folded basics cell, exactly as .ci/build_shared.py writes it into the chapters."""
-    spec = importlib.util.spec_from_file_location("build_shared", HERE / ".ci" / "build_shared.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.cell_text("basics", module.shared_sources(HERE)["basics"])
 
 
 class BoxError(ValueError):
@@ -363,7 +348,8 @@ def render() -> str:
                  "is one), `make` (seeded float64 data) and `matches` (equal to a relative `1e-12`, as a bool).\n")
     parts.append(code_cell(setup_imports(needed) + '\n\nprint("recipes loaded with torch >= 2.6:", '
                            'tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 6))'))
-    parts.append(code_cell(shared_basics(), ["shared-basics", "hide-input"]))
+    basics = build_shared.cell_text("basics", build_shared.shared_sources()["basics"])  # as in the chapters
+    parts.append(code_cell(basics, ["shared-basics", "hide-input"]))
 
     parts.append("\n## The idiom behind the recipes\n\nMost recipes below grow from one line: `vmap` over the "
                  "examples of `grad` of a loss\nwritten with `functional_call`. Here it is alone, on the tiny "
@@ -400,21 +386,16 @@ def render() -> str:
     return "".join(parts)
 
 
-def main(argv) -> int:
+def main() -> int:
     try:
         text = render()
     except BoxError as error:
         print(f"build_recipe_box: {error}", file=sys.stderr)
         return 2
-    if "--check" in argv:
-        if not BOX.exists() or BOX.read_text() != text:
-            print(f"{BOX.relative_to(ROOT)} is out of date: run python .ci/build_recipe_box.py", file=sys.stderr)
-            return 1
-        return 0
     BOX.write_text(text)
     print(f"wrote {BOX.relative_to(ROOT)} with {len(recipe_cells())} recipe cells")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

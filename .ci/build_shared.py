@@ -1,7 +1,6 @@
 """Copy the book's shared notebook code from book/_shared/<name>.py into every cell tagged `shared-<name>`.
 
-    python .ci/build_shared.py           # rewrite those cells in book/*.md and book/*.ipynb (outputs kept)
-    python .ci/build_shared.py --check   # exit 1, naming each cell that differs from its source file
+    python .ci/build_shared.py     # rewrite those cells in book/*.md and book/*.ipynb (outputs kept)
 
 Notebooks stay self-contained (Colab opens one file), so code several chapters need is copied into
 each of them; this script is the only thing that writes those copies, and tests/test_shared_code.py
@@ -10,7 +9,6 @@ that use it (make outputs NB=...).
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import jupytext
@@ -68,16 +66,6 @@ def sync(root: Path = ROOT, write: bool = True) -> list[str]:
     return stale
 
 
-def main(argv: list[str]) -> int:
-    check = "--check" in argv
-    stale = sync(write=not check)
-    for line in stale:
-        print(("differs: " if check else "rewrote: ") + line)
-    if check and stale:
-        print("run: python .ci/build_shared.py, then re-execute the notebooks named above")
-        return 1
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    for line in sync():
+        print("rewrote: " + line)

@@ -6,7 +6,7 @@ check is shown to catch what it guards.
 from __future__ import annotations
 
 import ast
-import os
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -22,37 +22,20 @@ def notebooks(book: Path = BOOK) -> list[Path]:
     return sorted(book.glob("*.ipynb"))
 
 
+def ci_script(name: str):
+    """A script of .ci/ (build_recipe_box, build_shared, read_time), loaded as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / ".ci" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # --- table of contents ---------------------------------------------------------------------
 
 def toc_entries(toc_path: Path) -> list[str]:
-    """Every file named in a jb-book _toc.yml, root first, without suffix."""
+    """Every page of a jb-book _toc.yml made of parts of chapters (as ours is), root first, without suffix."""
     toc = yaml.safe_load(toc_path.read_text())
-    entries = [toc["root"]]
-
-    def walk(items):
-        for item in items or []:
-            if "file" in item:
-                entries.append(item["file"])
-            walk(item.get("sections"))
-
-    for part in toc.get("parts", []):
-        walk(part.get("chapters"))
-    walk(toc.get("chapters"))
-    return entries
-
-
-def toc_problems(toc_path: Path, book: Path) -> list[str]:
-    root = toc_path.parent
-    entries = toc_entries(toc_path)
-    problems = [f"_toc.yml lists {e}, but {e}.ipynb does not exist" for e in entries if not (root / f"{e}.ipynb").exists()]
-    listed = set(entries)
-    for nb in sorted(book.glob("*.ipynb")):
-        name = nb.relative_to(root).with_suffix("").as_posix()
-        if name not in listed:
-            problems.append(f"{name}.ipynb is not listed in _toc.yml")
-    duplicates = {e for e in entries if entries.count(e) > 1}
-    problems += [f"_toc.yml lists {e} more than once" for e in sorted(duplicates)]
-    return problems
+    return [toc["root"]] + [chapter["file"] for part in toc["parts"] for chapter in part["chapters"]]
 
 
 # --- executed notebooks --------------------------------------------------------------------
@@ -87,37 +70,20 @@ def execution_problems(notebook: Path | nbformat.NotebookNode, name: str = "") -
 
 # --- self-contained notebooks ----------------------------------------------------------------
 
-def _repository_python_files(root: Path) -> list[Path]:
-    """The .py files of the repository, leaving out virtual environments (.venv, .venv-torch-2.14.1, venv)."""
-    found = []
-    for folder, subfolders, files in os.walk(root):
-        subfolders[:] = [d for d in subfolders if not d.startswith((".venv", "venv", ".git"))]
-        found += [Path(folder) / name for name in files if name.endswith(".py")]
-    return found
-
-
-def local_import_problems(nb_path: Path, root: Path = ROOT) -> list[str]:
-    """Imports of anything that is not installed, such as a module that lives in this repository."""
-    nb = nbformat.read(nb_path, as_version=4)
+def local_import_problems(nb_path: Path) -> list[str]:
+    """Imports of a module or package that lives in this repository (Colab opens one file), or relative ones."""
+    local = {p.stem for folder in ("tests", ".ci", "book") for p in (ROOT / folder).rglob("*.py")} | {
+        p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")} - set(sys.stdlib_module_names)
     problems = []
-    local_names = {p.stem for p in _repository_python_files(root)} | {
-        p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
-    }
-    for index, cell in enumerate(nb.cells):
+    for index, cell in enumerate(nbformat.read(nb_path, as_version=4).cells):
         if cell.cell_type != "code":
             continue
         source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] if node.level == 0 else ["." * node.level]
-            else:
-                continue
-            for name in names:
-                top = name.split(".")[0]
-                if not top or top in local_names and top not in sys.stdlib_module_names:
-                    problems.append(f"{nb_path.name} cell {index} imports {name!r}, which is not an installed package")
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module if node.level == 0 else "."] if isinstance(node, ast.ImportFrom) else [])
+            problems += [f"{nb_path.name} cell {index} imports {name!r}, which is not an installed package"
+                         for name in names if name.split(".")[0] in local | {""}]
     return problems
 
 

@@ -72,6 +72,7 @@ def broken_site(tmp_path_factory):
     in one way (above), and every Colab button pointing at another branch (_config.yml)."""
     source = tmp_path_factory.mktemp("broken-book")
     shutil.copytree(ROOT / "book", source / "book", ignore=shutil.ignore_patterns("*.md", "_shared"))
+    shutil.copy(ROOT / "book" / "01_vmap_basics.ipynb", source / "book" / "99_unlisted.ipynb")  # not in _toc.yml
     shutil.copy(ROOT / "_toc.yml", source / "_toc.yml")
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     config["repository"]["branch"] = "master"

@@ -29,161 +29,86 @@ class SeedCNN(nn.Module):
         return F.log_softmax(self.fc2(F.relu(self.fc1(torch.flatten(x, 1)))), dim=1)
 
 
-class SeedMLP(nn.Module):
-    def __init__(self):
+class Net(nn.Module):
+    """Linear layers `a` (inputs -> width) and `b` (width -> 3), joined by the forward function given."""
+
+    def __init__(self, forward, inputs=6, width=8, scale=False):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, 8), nn.Linear(8, 3)
+        self.a, self.b, self.fn = nn.Linear(inputs, width), nn.Linear(width, 3), forward
+        if scale:
+            self.scale = nn.Parameter(torch.linspace(0.5, 1.5, width))
 
     def forward(self, x):
-        return self.fc2(F.relu(self.fc1(x.view(x.shape[0], -1))))
+        return self.fn(self, x)
 
 
-class Body(nn.Module):
-    def __init__(self, head_in=8):
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 8), nn.Linear(head_in, 3)
+def mixing(mix):
+    """b(mix(tanh(a(x)))): `mix` acts on the hidden activations of the whole batch."""
+    return Net(lambda m, x: m.b(mix(torch.tanh(m.a(x)))))
 
 
-class MinusBatchMean(Body):
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        return self.b(h - h.mean(0))
-
-
-class BatchNormalisedByHand(Body):
-    def forward(self, x):
-        h = self.a(x)
-        return self.b((h - h.mean(dim=0)) * torch.rsqrt(h.pow(2).mean(dim=0) + 1.0))
-
-
-class LayerTwice(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
-
-
-class TiedWeights(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
-        self.c = nn.Linear(6, 6)
-        self.c.weight = self.a.weight
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.c(torch.tanh(self.a(x)))))
-
-
-class BareParameter(Body):
-    def __init__(self):
-        super().__init__()
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)) * self.scale)
-
-
-class WeightUsedOutsideItsLayer(Body):
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x))) + 0.1 * (x @ self.a.weight.T)[:, :3]
-
-
-class InPlaceAdd(Body):
-    def forward(self, x):
-        h = self.a(x)
-        h += 1.0  # changes the linear layer's recorded output
-        return self.b(torch.tanh(h))
-
-
-class RollThroughFlattenedBatch(Body):
-    def forward(self, x):  # each example gets its neighbour's features (for a batch of one, its own)
-        h = torch.tanh(self.a(x))
-        return self.b(h.reshape(-1).roll(8).reshape(h.shape))
-
-
-class BatchRoll(Body):
-    def forward(self, x):
-        return self.b(torch.roll(torch.tanh(self.a(x)), 1, dims=0))
-
-
-class ItemInForward(Body):
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        return self.b(h * (1.0 + 0.0 * h.max().item()))
-
-
-def hooked(change_in_place):
+def mlp(*change):
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    if change_in_place:
-        model[0].register_forward_hook(lambda module, args, output: output.mul_(2.0))
-    else:
-        model[0].register_forward_hook(lambda module, args, output: 2.0 * output + 1.0)
+    for f in change:
+        f(model)
     return model
 
 
-def frozen():
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    model[0].weight.requires_grad_(False)
-    model[2].bias.requires_grad_(False)
+def tied():
+    model = Net(lambda m, x: m.b(torch.tanh(m.c(torch.tanh(m.a(x))))), width=6)
+    model.c = nn.Linear(6, 6)
+    model.c.weight = model.a.weight
     return model
 
 
-def backward_hooked():
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    model[0].register_full_backward_hook(lambda module, grad_in, grad_out: None)
-    return model
-
-
-# name: (model, inputs, path the recipes must take)
+# name: (model, path the recipes must take); inputs (6, 6) unless the model is a CNN or the MLP on images
 CASES = {
-    "seed CNN as a class": (SeedCNN(), randn(6, 1, 14, 14), "fast"),
-    "seed MLP as a class": (SeedMLP(), randn(6, 1, 4, 4), "fast"),
-    "softmax over the batch by dim=-2": (nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3), nn.LogSoftmax(dim=-2)),
-                                         randn(6, 6), "general"),
-    "h - h.mean(0)": (MinusBatchMean(), randn(6, 6), "general"),
-    "batch statistics by hand": (BatchNormalisedByHand(), randn(6, 6), "general"),
-    "one layer used twice": (LayerTwice(), randn(6, 6), "general"),
-    "tied weights": (TiedWeights(), randn(6, 6), "general"),
-    "a bare nn.Parameter in forward": (BareParameter(), randn(6, 6), "general"),
-    "a weight used outside its layer": (WeightUsedOutsideItsLayer(), randn(6, 6), "general"),
-    "forward hook that changes an output": (hooked(change_in_place=False), randn(6, 6), "fast"),
-    "forward hook that changes an output in place": (hooked(change_in_place=True), randn(6, 6), "general"),
-    "in-place ReLU": (nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)), randn(6, 6), "general"),
-    "in-place add": (InPlaceAdd(), randn(6, 6), "general"),
-    "frozen parameters": (frozen(), randn(6, 6), "fast"),
-    "a roll through the flattened batch": (RollThroughFlattenedBatch(), randn(6, 6), "general"),
-    "torch.roll over the batch": (BatchRoll(), randn(6, 6), "general"),
+    "seed CNN as a class": (SeedCNN(), "fast"),
+    "seed MLP as a class": (Net(lambda m, x: m.b(F.relu(m.a(x.view(x.shape[0], -1)))), inputs=16), "fast"),
+    "softmax over the batch by dim=-2": (nn.Sequential(*mlp(), nn.LogSoftmax(dim=-2)), "general"),
+    "h - h.mean(0)": (mixing(lambda h: h - h.mean(0)), "general"),
+    "batch statistics by hand": (mixing(lambda h: (h - h.mean(0)) * torch.rsqrt(h.pow(2).mean(0) + 1.0)), "general"),
+    "one layer used twice": (Net(lambda m, x: m.b(torch.tanh(m.a(torch.tanh(m.a(x))))), width=6), "general"),
+    "tied weights": (tied(), "general"),
+    "a bare nn.Parameter in forward": (Net(lambda m, x: m.b(torch.tanh(m.a(x)) * m.scale), scale=True), "general"),
+    "a weight used outside its layer": (Net(lambda m, x: m.b(torch.tanh(m.a(x))) + 0.1 * (x @ m.a.weight.T)[:, :3]), "general"),
+    "forward hook that changes an output": (
+        mlp(lambda m: m[0].register_forward_hook(lambda module, args, output: 2.0 * output + 1.0)), "fast"),
+    "forward hook that changes an output in place": (
+        mlp(lambda m: m[0].register_forward_hook(lambda module, args, output: output.mul_(2.0))), "general"),
+    "in-place ReLU": (nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)), "general"),
+    "in-place add": (Net(lambda m, x: m.b(torch.tanh(m.a(x).add_(1.0)))), "general"),
+    "frozen parameters": (mlp(lambda m: m[0].weight.requires_grad_(False), lambda m: m[2].bias.requires_grad_(False)), "fast"),
+    "a roll through the flattened batch": (mixing(lambda h: h.reshape(-1).roll(8).reshape(h.shape)), "general"),
+    "torch.roll over the batch": (mixing(lambda h: torch.roll(h, 1, dims=0)), "general"),
 }
+INPUTS = {"seed CNN as a class": randn(6, 1, 14, 14), "seed MLP as a class": randn(6, 1, 4, 4)}
+X = randn(6, 6)
 TARGETS = torch.randint(3, (6,), generator=G)
 
 
+def case(name):
+    model, path = CASES[name]
+    return model.double(), INPUTS.get(name, X), path
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_per_sample_grads_equal_the_loop(recipes, name):
-    model, x, expected_path = CASES[name]
-    model = model.double()
+def test_recipes_equal_the_loop(recipes, name):
+    model, x, expected_path = case(name)
     expected = loop_per_sample(model, x, TARGETS)
     got, report = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, report=True)
     assert report.path == expected_path, report.reason
     assert list(got) == list(expected) and all(close(got[k], expected[k]) for k in expected)
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_output_jacobian_equals_the_loop(recipes, name):
-    model, x, expected_path = CASES[name]
-    model = model.double()
-    got, report = recipes["output_jacobian"](model, x, report=True)
+    jacobian, report = recipes["output_jacobian"](model, x, report=True)
     assert report.path == expected_path, report.reason
-    assert close(got, loop_output_jacobian(model, x))
+    assert close(jacobian, loop_output_jacobian(model, x))
 
 
 def test_the_adversarial_models_differ_from_the_fast_paths_arithmetic(recipes):
     """The models sent to the general path really would be wrong on the fast path: forcing the
     layer products onto a model that mixes examples gives a different answer (so the tests above
     can fail)."""
-    model = MinusBatchMean().double()
-    x = randn(6, 6)
+    model, x, _ = case("h - h.mean(0)")
     trainable = dict(model.named_parameters())
     out = {name: torch.empty((6, *p.shape), dtype=p.dtype) for name, p in trainable.items()}
     tracer = recipes["_BatchTrace"](6, x, trainable)
@@ -195,61 +120,27 @@ def test_the_adversarial_models_differ_from_the_fast_paths_arithmetic(recipes):
     for layer, delta in zip(tracer.layers, deltas):
         recipes["_per_example_products"](layer, delta, out)
     expected = loop_per_sample(model, x, TARGETS)
-    assert not all(close_enough(out[k], expected[k]) for k in expected)
+    assert not all(torch.allclose(out[k], expected[k], rtol=1e-10, atol=1e-12) for k in expected)
 
 
-def close_enough(a, b):
-    return torch.allclose(a, b, rtol=1e-10, atol=1e-12)
-
-
-def test_inside_no_grad_and_inference_mode(recipes):
-    model, x, _ = CASES["seed CNN as a class"]
-    model = model.double()
-    expected = loop_per_sample(model, x, TARGETS)
-    for context in (torch.no_grad, torch.inference_mode):
-        with context():
-            got = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS)
-            jac = recipes["output_jacobian"](model, x)
-        assert all(close(got[k], expected[k]) for k in expected)
-        assert close(jac, loop_output_jacobian(model, x))
-    with torch.inference_mode():
-        x_inference, t_inference = x.clone(), TARGETS.clone()
-    got = recipes["per_sample_grads"](model, F.cross_entropy, x_inference, t_inference)
-    assert all(close(got[k], expected[k]) for k in expected)
-
-
-def test_batch_of_one_and_empty_batch(recipes):
-    model, x, _ = CASES["seed CNN as a class"]
-    model = model.double()
-    one, report = recipes["per_sample_grads"](model, F.cross_entropy, x[:1], TARGETS[:1], report=True)
-    expected = loop_per_sample(model, x[:1], TARGETS[:1])
-    assert report.path == "fast" and all(close(one[k], expected[k]) for k in expected)
-    assert close(recipes["output_jacobian"](model, x[:1]), loop_output_jacobian(model, x[:1]))
-    empty = recipes["per_sample_grads"](model, F.cross_entropy, x[:0], TARGETS[:0])
-    assert {k: tuple(v.shape) for k, v in empty.items()} == {k: (0, *p.shape) for k, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="batch of 0"):
-        recipes["output_jacobian"](model, x[:0])
-
-
-@pytest.mark.parametrize("model", [ItemInForward(), backward_hooked()], ids=[".item() in forward", "a backward hook"])
+@pytest.mark.parametrize("model", [mixing(lambda h: h * (1.0 + 0.0 * h.max().item())),
+                                   mlp(lambda m: m[0].register_full_backward_hook(lambda module, grad_in, grad_out: None))],
+                         ids=[".item() in forward", "a backward hook"])
 def test_models_vmap_cannot_run_raise(recipes, model):
     """The trace refuses these, and vmap cannot run them: the recipes raise (as vmap(grad) does)
     instead of returning a wrong answer."""
-    model = model.double()
     with pytest.raises(RuntimeError):
-        recipes["per_sample_grads"](model, F.cross_entropy, randn(6, 6), TARGETS)
+        recipes["per_sample_grads"](model.double(), F.cross_entropy, X, TARGETS)
     with pytest.raises(RuntimeError):
-        recipes["output_jacobian"](model, randn(6, 6))
+        recipes["output_jacobian"](model.double(), X)
 
 
 def test_errors_name_the_problem(recipes):
-    model, x, _ = CASES["h - h.mean(0)"]
-    model = model.double()
+    model, x, _ = case("h - h.mean(0)")
     with pytest.raises(ValueError, match="batch dimension"):
         recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, path="fast")
     with pytest.raises(ValueError, match="scalar"):
-        recipes["per_sample_grads"](SeedMLP().double(), lambda p, t: F.cross_entropy(p, t, reduction="none").expand(2),
-                                    randn(6, 1, 4, 4), TARGETS)
+        recipes["per_sample_grads"](model, lambda p, t: F.cross_entropy(p, t, reduction="none").expand(2), x, TARGETS)
     with pytest.raises(ValueError, match="different batch sizes|one row per example"):
         recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS[:3])
     with pytest.raises(ValueError, match=r"\(B, Y\)"):

@@ -1,25 +1,18 @@
 """The recipe box is generated from the chapters' `recipe` cells and must not drift from them."""
-import importlib.util
 import shutil
 
 import jupytext
+import pytest
 
-from bookcheck import BOOK, ROOT
+from bookcheck import BOOK, ROOT, ci_script
 
-spec = importlib.util.spec_from_file_location("build_recipe_box", ROOT / ".ci" / "build_recipe_box.py")
-build = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(build)
+build = ci_script("build_recipe_box")
 
 
-def test_box_matches_the_chapters():
+def test_box_matches_the_chapters_and_has_every_recipe_once():
     assert build.BOX.read_text() == build.render(), "run: python .ci/build_recipe_box.py, then make outputs NB=book/08_recipe_box.md"
-
-
-def test_box_has_every_recipe_once():
-    box = jupytext.read(build.BOX)
-    box_sources = [c.source.strip() for c in box.cells if "recipe" in c.metadata.get("tags", [])]
-    chapter_sources = [source for _, _, source in build.recipe_cells()]
-    assert box_sources == chapter_sources and len(chapter_sources) >= 9
+    box_sources = [c.source.strip() for c in jupytext.read(build.BOX).cells if "recipe" in c.metadata.get("tags", [])]
+    assert box_sources == [source for _, _, source in build.recipe_cells()] and len(box_sources) >= 9
 
 
 def test_drift_is_detected(tmp_path, monkeypatch):
@@ -40,7 +33,6 @@ def test_drift_is_detected(tmp_path, monkeypatch):
 def test_generator_refuses_a_recipe_without_example_and_an_unimported_name(monkeypatch):
     """The box's usage examples and imports are computed: a recipe no example calls, or a name the
     recipes use that nothing imports, stops generation with a message naming it."""
-    import pytest
     found = build.recipe_cells()
     with_new = found + [(found[0][0], found[0][1], "def brand_new_recipe(x):\n    return x")]
     monkeypatch.setattr(build, "recipe_cells", lambda: with_new)

@@ -1,22 +1,16 @@
 """Code that several notebooks need lives once in book/_shared/ and is copied by .ci/build_shared.py."""
-import importlib.util
 import shutil
 
 import jupytext
 
-from bookcheck import BOOK, ROOT
+from bookcheck import BOOK, ROOT, ci_script
 
-spec = importlib.util.spec_from_file_location("build_shared", ROOT / ".ci" / "build_shared.py")
-build = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(build)
+build = ci_script("build_shared")
 
 
-def test_every_copy_matches_its_source():
+def test_every_copy_matches_its_source_is_folded_and_every_shared_file_is_used():
     stale = build.sync(write=False)
     assert not stale, "run: python .ci/build_shared.py; stale copies: " + ", ".join(stale)
-
-
-def test_every_shared_file_is_used_and_every_copy_is_folded():
     used = set()
     for path in sorted(BOOK.glob("*.md")):
         for cell in jupytext.read(path).cells:
@@ -29,7 +23,7 @@ def test_every_shared_file_is_used_and_every_copy_is_folded():
 
 
 def test_drift_is_detected(tmp_path):
-    """Edit one copy in a scratch book: --check names exactly that cell, and sync repairs it."""
+    """Edit one copy in a scratch book: the check names exactly that cell, and sync repairs it."""
     (tmp_path / "book").mkdir()
     shutil.copytree(BOOK / "_shared", tmp_path / "book" / "_shared")
     for path in list(BOOK.glob("*.md")) + list(BOOK.glob("*.ipynb")):

@@ -38,10 +38,15 @@ def test_link_check_catches_a_missing_page_image_and_anchor(broken_site, tmp_pat
     ]
 
 
+def test_a_notebook_missing_from_the_toc_has_no_page(broken_site):
+    assert not (broken_site / "book" / "99_unlisted.html").exists() and (broken_site / "book" / "01_vmap_basics.html").exists()
+
+
 @pytest.mark.parametrize("nb_path", notebooks(), ids=lambda p: p.name)
 def test_page_shows_the_stored_outputs(site, nb_path):
-    nb = nbformat.read(nb_path, as_version=4)
-    page = (site / "book" / f"{nb_path.stem}.html").read_text()
+    nb, page = nbformat.read(nb_path, as_version=4), site / "book" / f"{nb_path.stem}.html"
+    assert page.exists(), f"{nb_path.name} has no page: _toc.yml does not list it (only_build_toc_files)"
+    page = page.read_text()
     with_outputs = [c for c in nb.cells if c.cell_type == "code" and c.outputs]
     assert page.count('class="cell_output') == len(with_outputs)
     for cell in with_outputs:  # the first line of every printed output appears on the page

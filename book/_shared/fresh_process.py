@@ -3,6 +3,8 @@ import linecache
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 
 def cell_of(obj):
@@ -14,17 +16,21 @@ def cell_of(obj):
     return "".join(lines)
 
 
-def run_fresh(cells, call, *, huge_pages=False):
-    """Run the given cells' code, then print(json.dumps(<call>)), in a new Python interpreter; return that JSON.
-
-    A new interpreter reads THP_MEM_ALLOC_ENABLE when torch is imported: huge_pages=True sets it to 1,
-    False removes it. Cells run in the order given, each whole, with no other code added.
+def run_fresh(name, cells, call, *, huge_pages=False):
+    """Write the given cells, whole and in order, then print(json.dumps(<call>)), to the script
+    <temporary directory>/torch-func-book/<name>.py (<name>_huge_pages.py with huge_pages=True); run it
+    as `python <script>` in a new interpreter and return the JSON it prints. The script can be opened
+    and rerun as it is: its first lines set THP_MEM_ALLOC_ENABLE (to 1 with huge_pages, else unset),
+    which torch reads when it is imported.
     """
-    script = "\n\n".join([*(cell_of(obj) for obj in cells), f"import json\nprint(json.dumps({call}))"])
-    env = {key: value for key, value in os.environ.items() if key != "THP_MEM_ALLOC_ENABLE"}
-    if huge_pages:
-        env["THP_MEM_ALLOC_ENABLE"] = "1"
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    script = Path(tempfile.gettempdir()) / "torch-func-book" / f"{name}{'_huge_pages' if huge_pages else ''}.py"
+    setting = 'os.environ["THP_MEM_ALLOC_ENABLE"] = "1"' if huge_pages else 'os.environ.pop("THP_MEM_ALLOC_ENABLE", None)'
+    header = f"# Written by run_fresh from a notebook's cells; rerun with: python {script}\nimport os\n\n{setting}\n"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    draft = script.with_name(f"{script.stem}.{os.getpid()}.tmp")  # then renamed: a run elsewhere never reads half a file
+    draft.write_text("\n\n".join([header, *(cell_of(obj) for obj in cells), f"import json\nprint(json.dumps({call}))\n"]))
+    os.replace(draft, script)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"the fresh process failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"python {script} failed (open it to see the code it ran):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
