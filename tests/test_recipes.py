@@ -2,7 +2,6 @@
 2-D convolutions, an embedding, LayerNorm, GroupNorm, a small attention block, a model with buffers
 in eval mode), in float64 on the CPU, against plain loops."""
 import copy
-import re
 
 import jupytext
 import pytest
@@ -117,8 +116,8 @@ def test_pairwise_jacobian_hvp(recipes):
 # ---------------------------------------------------------------------------------------------
 # Real models (book/11_real_models.md, issue 15): a small transformer with a padding mask, LSTM and
 # GRU, and a block under torch.utils.checkpoint. vmap cannot run the last three (in float64), so
-# per_sample_grads and output_jacobian must take their loop path, report it, and still equal the
-# loop; a user's own error inside forward must still raise.
+# per_sample_grads and output_jacobian must take the unroll (LSTM, GRU) or the loop, report it, and
+# still equal the loop; a user's own error inside forward must still raise.
 
 class TinyTransformer(nn.Module):
     """Embedding, one encoder layer that ignores padding tokens (id 0), mean over real tokens, head."""
@@ -170,8 +169,8 @@ def real_models():
         tokens[n, length:] = 0  # padding at the end of each sequence
     return {
         "transformer": (TinyTransformer().double(), tokens, "general"),
-        "LSTM": (Recurrent(nn.LSTM).double(), torch.randn(5, 4, 3, generator=g, dtype=torch.float64), "loop"),
-        "GRU": (Recurrent(nn.GRU).double(), torch.randn(5, 4, 3, generator=g, dtype=torch.float64), "loop"),
+        "LSTM": (Recurrent(nn.LSTM).double(), torch.randn(5, 4, 3, generator=g, dtype=torch.float64), "unroll"),
+        "GRU": (Recurrent(nn.GRU).double(), torch.randn(5, 4, 3, generator=g, dtype=torch.float64), "unroll"),
         "checkpoint, linear only": (Checkpointed(False).double(), torch.randn(5, 6, generator=g, dtype=torch.float64), "fast"),
         "checkpoint with LayerNorm": (Checkpointed(True).double(), torch.randn(5, 6, generator=g, dtype=torch.float64), "loop"),
     }
@@ -194,7 +193,7 @@ def test_per_sample_grads(recipes, name):
     assert same(grads(chunk_size=2)) and same(grads(path="loop"))
     if expected_path in (None, "general"):
         assert same(grads(path="general"))
-    elif expected_path == "loop":  # the general path alone raises: the fallback is what makes these work
+    elif expected_path in ("loop", "unroll"):  # the general path alone raises: the fallback is what makes these work
         with pytest.raises(RuntimeError):
             grads(path="general")
     buffers = {k: torch.full_like(v, float("nan")) for k, v in expected.items()}
@@ -219,7 +218,7 @@ def test_output_jacobian_and_ntk(recipes, name):
     assert close(jacobian(chunk_size=2), expected) and close(jacobian(path="loop"), expected)
     if expected_path in (None, "general"):
         assert close(jacobian(path="general"), expected)
-    elif expected_path == "loop":
+    elif expected_path in ("loop", "unroll"):
         with pytest.raises(RuntimeError):
             jacobian(path="general")
     buffer = torch.full_like(expected, float("nan"))
@@ -263,11 +262,145 @@ def test_users_own_error_still_raises(recipes, bug):
             call()
 
 
-def test_fallback_matcher_is_the_same_in_chapters_3_and_4():
-    """Chapter 4 is self-contained, so it defines its own copy of the matcher: the two must not drift."""
-    pattern = re.compile(r"\ndef _unsupported_by_vmap.*?\n    return None\n", re.S)
-    copies = [pattern.search((BOOK / f"{name}.md").read_text()).group(0) for name in ("03_per_sample_gradients", "04_output_jacobians")]
-    assert copies[0] == copies[1]
+def test_only_known_vmap_gaps_are_recognised(recipes):
+    """The shared matcher (book/_shared/vmap_gaps.py): vmap's known gaps give a reason, anything else None (re-raised)."""
+    known = recipes["_unsupported_by_vmap"]
+    gru, plain = REAL["GRU"][0], nn.Linear(2, 2)
+    assert known(RuntimeError("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks. Please"), plain)
+    assert known(RuntimeError("You tried to vmap over _NoopSaveInputs, but it does not have vmap support."), plain)
+    assert known(RuntimeError("Batching rule not implemented for aten::gru.input. We could not generate a fallback."), plain)
+    assert known(RuntimeError("Batching rule not implemented for aten::x.out; the fallback path doesn't work on out= or view ops."), plain)
+    assert known(RuntimeError("output with shape [1, 6] doesn't match the broadcast shape [5, 1, 6]"), gru)
+    assert known(RuntimeError("output with shape [1, 6] doesn't match the broadcast shape [5, 1, 6]"), plain) is None
+    assert known(RuntimeError("vmap: It looks like you're calling .item() on a Tensor"), gru) is None
+    assert known(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), gru) is None
+
+
+# Recurrent layers on the unroll path (book/_shared/vmap_gaps.py): every option nn.RNNBase has, through
+# both recipes, against the loop (which runs the fused kernel) in float64 at close()'s 1e-10.
+class RecurrentHead(nn.Module):
+    """Examples along dim 0 of (B, T, 3); a head reads the last output and every final state (so their
+    order is checked too). hx: learned initial states; unbatched: each sequence on its own, as 2-D."""
+
+    def __init__(self, rnn, hx=False, unbatched=False):
+        super().__init__()
+        self.rnn, self.unbatched = rnn, unbatched
+        states = rnn.num_layers * (2 if rnn.bidirectional else 1)
+        width = getattr(rnn, "proj_size", 0) or rnn.hidden_size
+        self.h0 = nn.Parameter(torch.randn(states, 1, width)) if hx else None
+        self.c0 = nn.Parameter(torch.randn(states, 1, rnn.hidden_size)) if hx and isinstance(rnn, nn.LSTM) else None
+        n_out = rnn.hidden_size if isinstance(rnn, nn.LSTM) else 0
+        self.head = nn.Linear(width * (states + (2 if rnn.bidirectional else 1)) + n_out * states, 3)
+
+    def run(self, x):  # x: (B, T, 3) or, unbatched, (T, 3)
+        batch_dim = None if x.dim() == 2 else (0 if self.rnn.batch_first else 1)
+        seq = x.transpose(0, 1) if batch_dim == 1 else x
+        hx = None
+        if self.h0 is not None:
+            hx = self.h0.expand(-1, x.shape[0], -1) if batch_dim is not None else self.h0[:, 0]
+            if self.c0 is not None:
+                hx = (hx, self.c0.expand(-1, x.shape[0], -1) if batch_dim is not None else self.c0[:, 0])
+        out, state = self.rnn(seq, hx)
+        states = state if isinstance(state, tuple) else (state,)
+        if batch_dim is None:
+            return torch.cat([out[-1], *(s.flatten() for s in states)])
+        last = out[:, -1] if batch_dim == 0 else out[-1]
+        return torch.cat([last, *(s.transpose(0, 1).flatten(1) for s in states)], dim=-1)
+
+    def forward(self, x):
+        features = torch.stack([self.run(seq) for seq in x]) if self.unbatched else self.run(x)
+        return self.head(features)
+
+
+class DoublingGRU(nn.GRU):
+    """Overrides forward: the unroll must leave it alone (vmap fails on it, so the loop runs)."""
+
+    def forward(self, input, hx=None):
+        output, h = super().forward(input, hx)
+        return 2 * output, h
+
+
+class PlainSubclassGRU(nn.GRU):
+    """Keeps nn.GRU's forward: the unroll computes it."""
+
+
+class Packed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.GRU(3, 5, batch_first=True), nn.Linear(5, 3)
+
+    def forward(self, x):
+        packed = nn.utils.rnn.pack_padded_sequence(x, [x.shape[1]] * len(x), batch_first=True)
+        return self.head(nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0][:, -1])
+
+
+class CheckpointedGRU(nn.Module):
+    """A GRU under torch.utils.checkpoint: unrolled, vmap still meets checkpointing's gap, so the loop runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.GRU(3, 5, batch_first=True), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(checkpoint(lambda x: self.rnn(x)[0][:, -1], x, use_reentrant=False))
+
+
+RECURRENT = {  # name: (factory, expected path)
+    "GRU": (lambda: RecurrentHead(nn.GRU(3, 5, batch_first=True)), "unroll"),
+    "LSTM": (lambda: RecurrentHead(nn.LSTM(3, 5, batch_first=True)), "unroll"),
+    "RNN relu, 2 layers, no bias": (lambda: RecurrentHead(nn.RNN(3, 5, 2, nonlinearity="relu", bias=False, batch_first=True)), "unroll"),
+    "GRU 2 layers bidirectional, time-major": (lambda: RecurrentHead(nn.GRU(3, 5, 2, bidirectional=True)), "unroll"),
+    "LSTM proj_size, bidirectional": (lambda: RecurrentHead(nn.LSTM(3, 5, proj_size=2, bidirectional=True, batch_first=True)), "unroll"),
+    "LSTM dropout, eval mode": (lambda: RecurrentHead(nn.LSTM(3, 5, 2, dropout=0.5, batch_first=True)).eval(), "unroll"),
+    "GRU dropout=1, training (zeros between layers)": (lambda: RecurrentHead(nn.GRU(3, 5, 2, dropout=1.0, batch_first=True)), "unroll"),
+    "LSTM explicit hx, time-major": (lambda: RecurrentHead(nn.LSTM(3, 5, 2), hx=True), "unroll"),
+    "RNN tanh explicit hx": (lambda: RecurrentHead(nn.RNN(3, 5, batch_first=True), hx=True), "unroll"),
+    "GRU unbatched input, hx": (lambda: RecurrentHead(nn.GRU(3, 5, bidirectional=True), hx=True, unbatched=True), "unroll"),
+    "subclass keeping forward": (lambda: RecurrentHead(PlainSubclassGRU(3, 5, batch_first=True)), "unroll"),
+    "subclass overriding forward": (lambda: RecurrentHead(DoublingGRU(3, 5, batch_first=True)), "loop"),
+    "PackedSequence": (Packed, "loop"),
+    "GRU under checkpoint": (CheckpointedGRU, "loop"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # pack_padded_sequence under vmap
+@pytest.mark.parametrize("name", list(RECURRENT))
+def test_recurrent_layers(recipes, name):
+    factory, expected_path = RECURRENT[name]
+    torch.manual_seed(6)
+    model = factory().double()
+    x = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    grads, report = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, report=True)
+    expected = loop_per_sample(model, x, TARGETS)
+    assert report.path == expected_path, report
+    assert all(close(grads[k], expected[k]) for k in expected)
+    jacobian, report = recipes["output_jacobian"](model, x, report=True)
+    assert report.path == expected_path and close(jacobian, loop_output_jacobian(model, x))
+    if expected_path == "unroll":
+        forced = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, path="unroll")
+        assert all(close(forced[k], expected[k]) for k in expected)
+    elif name != "GRU under checkpoint":  # the unroll refuses (or leaves the layer alone) and says so when forced
+        with pytest.raises(ValueError, match="unroll"):
+            recipes["output_jacobian"](model, x, path="unroll")
+    else:  # forced, vmap's gap is raised, not looped away
+        with pytest.raises(RuntimeError):
+            recipes["output_jacobian"](model, x, path="unroll")
+    assert all("forward" not in vars(m) for m in model.modules())  # the fused forward is back
+
+
+def test_a_wrong_unroll_is_caught(recipes):
+    """The equality check guards the unroll: the GRU's gates taken in the wrong order (z, r, n) fail it."""
+    model = RecurrentHead(nn.GRU(3, 5, batch_first=True)).double()
+    x = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    cells, right = recipes["_CELLS"], recipes["_CELLS"]["GRU"]
+    swap = lambda t: torch.cat([*t.chunk(3, 0)[1::-1], t.chunk(3, 0)[2]])  # (r, z, n) -> (z, r, n) along the gates
+    cells["GRU"] = lambda gi, h, c, w: right(swap(gi.movedim(-1, 0)).movedim(0, -1), h, c, {**w, "weight_hh": swap(w["weight_hh"])})
+    try:
+        wrong = recipes["output_jacobian"](model, x)
+    finally:
+        cells["GRU"] = right
+    assert not torch.allclose(wrong, loop_output_jacobian(model, x), rtol=1e-10, atol=1e-12)
+    assert close(recipes["output_jacobian"](model, x), loop_output_jacobian(model, x))
 
 
 # ---------------------------------------------------------------------------------------------
