@@ -445,7 +445,7 @@ def test_norms_use_the_token_pairs_on_linear_layers_and_catch_a_missing_share(re
 
 # The norms' fast path (one traced batched pass; LayerNorm and embedding weights as layers of their own):
 # taken exactly where the trace covers every parameter; anything else goes to vmap or the loop.
-NORMS_PATH = {"GroupNorm": "vmap", "attention": "vmap", "buffers, eval mode": "vmap", "transformer": "vmap", "LSTM": "loop", "GRU": "loop"}
+NORMS_PATH = {"GroupNorm": "vmap", "attention": "vmap", "buffers, eval mode": "vmap", "transformer": "vmap", "LSTM": "unroll", "GRU": "unroll"}
 
 
 class MixesExamples(nn.Module):
@@ -463,7 +463,7 @@ class MixesExamples(nn.Module):
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
 @pytest.mark.parametrize("name", list(ALL_MODELS))
 def test_norms_take_the_fast_path_where_the_trace_covers_every_parameter(recipes, name):
-    model, x = ALL_MODELS[name]
+    model, x, _ = ALL_MODELS[name]
     _, report = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, report=True)
     assert report.path == NORMS_PATH.get(name, "fast"), report.reason
 

@@ -1,11 +1,12 @@
 from typing import NamedTuple
 
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.func import vmap
 from torch.utils._pytree import tree_flatten
 
 
 class PathReport(NamedTuple):
-    """Which path a recipe call took ("fast" or "general"), and why."""
+    """Which path a recipe call took ("fast", "general", "unroll", "loop" or "none"), and why."""
     path: str
     reason: str
 
@@ -240,6 +241,17 @@ class _BatchTrace(TorchDispatchMode):
             return None
         dims = [dims] if isinstance(dims, int) else list(dims)
         return [d % ndim for d in dims] or None  # an empty list reduces over every dimension
+
+
+def _losses_of_each(loss_fn, predictions, targets):
+    """loss_fn on every example as a batch of one, as a (B,) tensor (the recipes' loss_fn contract)."""
+    try:
+        losses = vmap(lambda p, t: loss_fn(p[None], t[None]))(predictions, targets)
+    except RuntimeError:  # a loss vmap cannot batch (it calls .item(), say): one call per example
+        losses = torch.stack([loss_fn(predictions[n : n + 1], targets[n : n + 1]) for n in range(len(predictions))])
+    if losses.shape != (len(predictions),):
+        raise ValueError(f"loss_fn must return a scalar, the loss of one example; it returned shape {tuple(losses.shape[1:])}")
+    return losses
 
 
 def _check_model(model, inputs):
