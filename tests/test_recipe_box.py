@@ -34,14 +34,11 @@ def test_generator_refuses_a_recipe_without_example_and_an_unimported_name(monke
     """The box's usage examples and imports are computed: a recipe no example calls, or a name the
     recipes use that nothing imports, stops generation with a message naming it."""
     found = build.recipe_cells()
-    with_new = found + [(found[0][0], found[0][1], "def brand_new_recipe(x):\n    return x")]
-    monkeypatch.setattr(build, "recipe_cells", lambda: with_new)
-    with pytest.raises(build.BoxError, match="brand_new_recipe"):
-        build.render()
-    with_unknown = found + [(found[0][0], found[0][1], "def _helper(x):\n    return scipy.special.erf(x)")]
-    monkeypatch.setattr(build, "recipe_cells", lambda: with_unknown)
-    with pytest.raises(build.BoxError, match="scipy"):
-        build.render()
+    for source, named in [("def brand_new_recipe(x):\n    return x", "brand_new_recipe"),
+                          ("def _helper(x):\n    return scipy.special.erf(x)", "scipy")]:
+        monkeypatch.setattr(build, "recipe_cells", lambda: found + [(found[0][0], found[0][1], source)])
+        with pytest.raises(build.BoxError, match=named):
+            build.render()
 
 
 def test_generator_imports_each_name_once_and_finds_dependencies():
