@@ -226,4 +226,4 @@ def test_a_broken_site_is_caught(browser, broken_site):
     wanted = {e: sorted([f"Colab link(s) {[colab_url(e, 'master')]}", *starts]) for e, starts in wanted.items()}
     got = {e: sorted(page_problems(reports[e], e)) for e in wanted}
     # each problem cut to the length of the start it must have; any problem beyond those stays whole
-    assert {e: [g[:len(s)] for g, s in zip(got[e], starts)] + got[e][len(starts):] for e, starts in wanted.items()} == wanted
+    assert {e: [g[:len(s)] for g, s in zip(got[e], starts)] + got[e][len(starts):] for e, starts in wanted.items()} == wanted, got

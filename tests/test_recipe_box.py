@@ -17,10 +17,8 @@ def test_box_matches_the_chapters_and_has_every_recipe_once():
 
 def test_drift_is_detected(tmp_path, monkeypatch):
     """Edit one recipe in a copy of the book: the committed box no longer matches."""
-    (tmp_path / "book").mkdir()
+    shutil.copytree(BOOK, tmp_path / "book", ignore=shutil.ignore_patterns("*.ipynb"))
     shutil.copy(ROOT / "_toc.yml", tmp_path / "_toc.yml")
-    for md in BOOK.glob("*.md"):
-        shutil.copy(md, tmp_path / "book" / md.name)
     chapter = tmp_path / "book" / "02_jacobians_hessians.md"
     chapter.write_text(chapter.read_text().replace("return jvp(grad(scalar_f), (x,), (v,))[1]",
                                                    "return 2 * jvp(grad(scalar_f), (x,), (v,))[1]"))

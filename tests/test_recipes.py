@@ -121,20 +121,12 @@ def test_pairwise_jacobian_hvp(recipes):
 # per_sample_grads and output_jacobian must take the unroll (LSTM, GRU) or the loop, report it, and
 # still equal the loop; a user's own error inside forward must still raise.
 
-class TinyTransformer(nn.Module):
+def tiny_transformer(m, tokens):
     """Embedding, one encoder layer that ignores padding tokens (id 0), mean over real tokens, head."""
-
-    def __init__(self, vocab=11, width=8, classes=3):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.encoder = nn.TransformerEncoderLayer(width, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, tokens):
-        pad = tokens == 0
-        h = self.encoder(self.embed(tokens), src_key_padding_mask=pad)
-        keep = (~pad).unsqueeze(-1).to(h.dtype)
-        return self.head((h * keep).sum(1) / keep.sum(1))
+    pad = tokens == 0
+    h = m.encoder(m.embed(tokens), src_key_padding_mask=pad)
+    keep = (~pad).unsqueeze(-1).to(h.dtype)
+    return m.head((h * keep).sum(1) / keep.sum(1))
 
 
 class RecurrentHead(nn.Module):
@@ -182,7 +174,9 @@ def real_models():
         tokens[n, length:] = 0  # padding at the end of each sequence
     data = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
     return {  # a head on the last output and the final states (RecurrentHead): the unroll's states are checked too
-        "transformer": (TinyTransformer().double(), tokens, "general"),
+        "transformer": (Model(tiny_transformer, embed=nn.Embedding(11, 8),
+                              encoder=nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True),
+                              head=nn.Linear(8, 3)).double(), tokens, "general"),
         "LSTM": (RecurrentHead(nn.LSTM(3, 6, batch_first=True)).double(), data(5, 4, 3), "unroll"),
         "GRU": (RecurrentHead(nn.GRU(3, 6, batch_first=True)).double(), data(5, 4, 3), "unroll"),
         "checkpoint, linear only": (checkpointed(False).double(), data(5, 6), "fast"),
