@@ -69,11 +69,9 @@ def execution_problems(notebook: Path | nbformat.NotebookNode, name: str = "") -
 # --- self-contained notebooks ----------------------------------------------------------------
 
 def local_import_problems(nb_path: Path) -> list[str]:
-    """Imports of a module or package that lives in this repository (Colab opens one file), or relative ones.
-    A package the book pins (constraints.txt) is not local, even where a shared file bears its name (opacus)."""
-    pinned = set(re.findall(r"^([\w.-]+)==", (ROOT / "constraints.txt").read_text(), re.M))
-    local = ({p.stem for folder in ("tests", ".ci", "book") for p in (ROOT / folder).rglob("*.py")} | {
-        p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")}) - set(sys.stdlib_module_names) - pinned
+    """Imports of a module or package that lives in this repository (Colab opens one file), or relative ones."""
+    local = {p.stem for folder in ("tests", ".ci", "book") for p in (ROOT / folder).rglob("*.py")} | {
+        p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")} - set(sys.stdlib_module_names)
     problems = []
     for index, cell in enumerate(nbformat.read(nb_path, as_version=4).cells):
         if cell.cell_type != "code":
