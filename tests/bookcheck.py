@@ -3,8 +3,6 @@
 The tests in this folder run them on the real book and on deliberately broken copies, so each
 check is shown to catch what it guards.
 """
-from __future__ import annotations
-
 import ast
 import importlib.util
 import re
@@ -108,16 +106,13 @@ def figure_problems(nb_path: Path) -> list[str]:
     code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     problems = []
     for k, (index, cell) in enumerate(code):
-        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
-        if "nbval-ignore-output" in cell.metadata.get("tags", []) and _TIMING.search(text):
-            if not any(_has_plot(c) for _, c in code[max(k - 2, 0):k + 2]):
-                problems.append(f"{nb_path.name} cell {index}: prints measurements but no plot is next to it")
-        if _has_plot(cell):
-            source = cell.source
-            missing = [what for what, ok in [("an x-axis label", "xlabel" in source),
-                                             ("a y-axis label", "ylabel" in source or "barh(" in source),
-                                             ("a title", "title" in source),
-                                             ("the hardware", "hardware" in source)] if not ok]
-            if missing:
-                problems.append(f"{nb_path.name} cell {index}: its plot lacks " + ", ".join(missing))
+        text, source = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream"), cell.source
+        ignored = "nbval-ignore-output" in cell.metadata.get("tags", [])
+        if ignored and _TIMING.search(text) and not any(_has_plot(c) for _, c in code[max(k - 2, 0):k + 2]):
+            problems.append(f"{nb_path.name} cell {index}: prints measurements but no plot is next to it")
+        missing = [what for what, ok in [("an x-axis label", "xlabel" in source),
+                                         ("a y-axis label", "ylabel" in source or "barh(" in source),
+                                         ("a title", "title" in source), ("the hardware", "hardware" in source)] if not ok]
+        if _has_plot(cell) and missing:
+            problems.append(f"{nb_path.name} cell {index}: its plot lacks " + ", ".join(missing))
     return problems

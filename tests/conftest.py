@@ -48,22 +48,16 @@ BROKEN_MARKDOWN = {
 }
 
 
-def _first_code_cell(nb, has):
-    return next(c for c in nb.cells if c.cell_type == "code" and has(c))
-
-
 def _break_outputs(entry, nb):
     """Changes to a notebook's cells that its page must show differently from the real notebook."""
+    code = [c for c in nb.cells if c.cell_type == "code"]
     if entry == "book/02_jacobians_hessians":  # a folded input unfolded
-        cell = _first_code_cell(nb, lambda c: "hide-input" in c.metadata.get("tags", []))
-        cell.metadata["tags"].remove("hide-input")
+        next(c for c in code if "hide-input" in c.metadata.get("tags", [])).metadata["tags"].remove("hide-input")
     if entry == "book/07_compile_with_transforms":  # a plot gone
-        cell = _first_code_cell(nb, lambda c: any("image/png" in o.get("data", {}) for o in c.outputs))
-        for output in cell.outputs:
+        for output in next(c for c in code if any("image/png" in o.get("data", {}) for o in c.outputs)).outputs:
             output.get("data", {}).pop("image/png", None)
     if entry == "book/08_recipe_box":  # an output folded away
-        cell = _first_code_cell(nb, lambda c: c.outputs and not c.metadata.get("tags"))
-        cell.metadata["tags"] = ["hide-output"]
+        next(c for c in code if c.outputs and not c.metadata.get("tags")).metadata["tags"] = ["hide-output"]
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from test_recipes import close, loop_output_jacobian, loop_per_sample, recipes  # noqa: F401 (fixture)
+from test_recipes import Model, close, loop_output_jacobian, loop_per_sample, recipes  # noqa: F401 (fixture)
 
 G = torch.Generator().manual_seed(7)
 
@@ -29,22 +29,14 @@ class SeedCNN(nn.Module):
         return F.log_softmax(self.fc2(F.relu(self.fc1(torch.flatten(x, 1)))), dim=1)
 
 
-class Net(nn.Module):
+def net(forward, inputs=6, width=8, **parts):
     """Linear layers `a` (inputs -> width) and `b` (width -> 3), joined by the forward function given."""
-
-    def __init__(self, forward, inputs=6, width=8, scale=False):
-        super().__init__()
-        self.a, self.b, self.fn = nn.Linear(inputs, width), nn.Linear(width, 3), forward
-        if scale:
-            self.scale = nn.Parameter(torch.linspace(0.5, 1.5, width))
-
-    def forward(self, x):
-        return self.fn(self, x)
+    return Model(forward, a=nn.Linear(inputs, width), b=nn.Linear(width, 3), **parts)
 
 
 def mixing(mix):
     """b(mix(tanh(a(x)))): `mix` acts on the hidden activations of the whole batch."""
-    return Net(lambda m, x: m.b(mix(torch.tanh(m.a(x)))))
+    return net(lambda m, x: m.b(mix(torch.tanh(m.a(x)))))
 
 
 def mlp(*change):
@@ -55,7 +47,7 @@ def mlp(*change):
 
 
 def tied():
-    model = Net(lambda m, x: m.b(torch.tanh(m.c(torch.tanh(m.a(x))))), width=6)
+    model = net(lambda m, x: m.b(torch.tanh(m.c(torch.tanh(m.a(x))))), width=6)
     model.c = nn.Linear(6, 6)
     model.c.weight = model.a.weight
     return model
@@ -64,20 +56,21 @@ def tied():
 # name: (model, path the recipes must take); inputs (6, 6) unless the model is a CNN or the MLP on images
 CASES = {
     "seed CNN as a class": (SeedCNN(), "fast"),
-    "seed MLP as a class": (Net(lambda m, x: m.b(F.relu(m.a(x.view(x.shape[0], -1)))), inputs=16), "fast"),
+    "seed MLP as a class": (net(lambda m, x: m.b(F.relu(m.a(x.view(x.shape[0], -1)))), inputs=16), "fast"),
     "softmax over the batch by dim=-2": (nn.Sequential(*mlp(), nn.LogSoftmax(dim=-2)), "general"),
     "h - h.mean(0)": (mixing(lambda h: h - h.mean(0)), "general"),
     "batch statistics by hand": (mixing(lambda h: (h - h.mean(0)) * torch.rsqrt(h.pow(2).mean(0) + 1.0)), "general"),
-    "one layer used twice": (Net(lambda m, x: m.b(torch.tanh(m.a(torch.tanh(m.a(x))))), width=6), "general"),
+    "one layer used twice": (net(lambda m, x: m.b(torch.tanh(m.a(torch.tanh(m.a(x))))), width=6), "general"),
     "tied weights": (tied(), "general"),
-    "a bare nn.Parameter in forward": (Net(lambda m, x: m.b(torch.tanh(m.a(x)) * m.scale), scale=True), "general"),
-    "a weight used outside its layer": (Net(lambda m, x: m.b(torch.tanh(m.a(x))) + 0.1 * (x @ m.a.weight.T)[:, :3]), "general"),
+    "a bare nn.Parameter in forward": (net(lambda m, x: m.b(torch.tanh(m.a(x)) * m.scale),
+                                           scale=nn.Parameter(torch.linspace(0.5, 1.5, 8))), "general"),
+    "a weight used outside its layer": (net(lambda m, x: m.b(torch.tanh(m.a(x))) + 0.1 * (x @ m.a.weight.T)[:, :3]), "general"),
     "forward hook that changes an output": (
         mlp(lambda m: m[0].register_forward_hook(lambda module, args, output: 2.0 * output + 1.0)), "fast"),
     "forward hook that changes an output in place": (
         mlp(lambda m: m[0].register_forward_hook(lambda module, args, output: output.mul_(2.0))), "general"),
     "in-place ReLU": (nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)), "general"),
-    "in-place add": (Net(lambda m, x: m.b(torch.tanh(m.a(x).add_(1.0)))), "general"),
+    "in-place add": (net(lambda m, x: m.b(torch.tanh(m.a(x).add_(1.0)))), "general"),
     "frozen parameters": (mlp(lambda m: m[0].weight.requires_grad_(False), lambda m: m[2].bias.requires_grad_(False)), "fast"),
     "a roll through the flattened batch": (mixing(lambda h: h.reshape(-1).roll(8).reshape(h.shape)), "general"),
     "torch.roll over the batch": (mixing(lambda h: torch.roll(h, 1, dims=0)), "general"),

@@ -59,12 +59,10 @@ def test_sync_hook_catches_an_edit_to_one_side_of_a_pair(chapter_copy):
     assert _hook_run(repo, env) == (0, [])
     chapter_copy.write_text(chapter_copy.read_text().replace("print(torch.vmap is torch.func.vmap)",
                                                              "print(torch.vmap is not torch.func.vmap)"))
-    status, changed = _hook_run(repo, env)  # the .ipynb is rewritten from the newer .md
-    assert status == 1 and changed == ["01_vmap_basics.ipynb"]
+    assert _hook_run(repo, env) == (1, ["01_vmap_basics.ipynb"])  # the .ipynb is rewritten from the newer .md
     assert "torch.vmap is not torch.func.vmap" in chapter_copy.with_suffix(".ipynb").read_text()
     chapter_copy.with_suffix(".ipynb").unlink()  # a .md without its notebook gets one
-    status, changed = _hook_run(repo, env)
-    assert status == 1 and changed == ["01_vmap_basics.ipynb"]
+    assert _hook_run(repo, env) == (1, ["01_vmap_basics.ipynb"])
 
 
 def _rewrite(nb_path, change):

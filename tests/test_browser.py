@@ -6,18 +6,13 @@ branch main. Screenshots go to test-artifacts/screenshots/. The last test opens 
 from broken sources (conftest.py) and requires each break, and nothing else, to be reported.
 Without Chromium and Playwright the tests skip, or fail when the environment variable CI is set.
 """
-from __future__ import annotations
-
 import contextlib
 import functools
 import http.server
 import os
 import re
 import shutil
-import sys
 import threading
-import urllib.parse
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
@@ -36,118 +31,57 @@ HOW_TO_ENABLE = ("the browser test needs Chromium and Playwright: `apt-get insta
                  "or set CHROMIUM=/path/to/chromium) and `pip install -r requirements.txt`")
 
 
-def find_chromium() -> str | None:
-    candidates = [os.environ.get("CHROMIUM"), shutil.which("chromium"), shutil.which("chromium-browser")]
-    return next((c for c in candidates if c and Path(c).exists()), None)
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+class _Handler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-
-class _Server(http.server.ThreadingHTTPServer):
-    def handle_error(self, request, client_address):
-        # A browser closing a page may drop a connection mid-response: not a fault of the site.
-        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
-            super().handle_error(request, client_address)
+    def handle(self):  # a browser closing a page may drop a connection mid-response: not a fault of the site
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            super().handle()
 
 
-@contextlib.contextmanager
-def serve(folder: Path):
-    """Serve `folder` on 127.0.0.1 (a free port); yields the base URL, ending in '/'."""
-    server = _Server(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(folder)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-@contextlib.contextmanager
-def chromium(executable: str):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-@dataclass
-class PageReport:
-    url: str
-    problems: list[str] = field(default_factory=list)  # console errors, failed or outside requests, broken images
-    plots: int = 0              # images inside cell outputs: the notebook's figures
-    math: int = 0               # elements holding TeX on the page
-    typeset: int = 0            # of those, how many MathJax rendered without an error
-    cells: int = 0              # code cells on the page (inputs)
-    cells_visible: int = 0      # ... of them not folded away (hide-cell)
-    outputs: int = 0
-    outputs_visible: int = 0
-    colab: list[str] = field(default_factory=list)
-
-
-# Every wait inside the page races a timer, so a resource that never settles fails the check
-# with a message instead of hanging the test run.
-_IMAGES_SETTLED = """async () => {
-  const settle = img => img.complete ? Promise.resolve() : new Promise(done => {
-    img.addEventListener("load", done, {once: true});
-    img.addEventListener("error", done, {once: true});
-  });
-  const images = Array.from(document.images);
+# What a page shows, read once it has settled. Every wait races a timer, so a resource that never
+# settles fails the check with a message instead of hanging the test run.
+_PAGE = """async () => {
+  const late = (promise, ms) => Promise.race([promise.then(() => false), new Promise(done => setTimeout(done, ms, true))]);
+  const problems = [], images = Array.from(document.images);
   images.forEach(img => { img.loading = "eager"; });
-  const timer = new Promise(done => setTimeout(() => done("timeout"), 15000));
-  const timedOut = (await Promise.race([Promise.all(images.map(settle)), timer])) === "timeout";
-  const broken = images.filter(img => !(img.complete && img.naturalWidth > 0 && img.naturalHeight > 0))
-                       .map(img => (img.getAttribute("src") || "(no src)").slice(0, 120));
-  return [broken, timedOut];
-}"""
-
-_MATH = """async () => {
-  const nodes = Array.from(document.querySelectorAll(".math"));
-  if (nodes.length === 0) return [0, 0, null];
-  if (!(window.MathJax && MathJax.startup && MathJax.startup.promise)) return [nodes.length, 0, "MathJax did not load"];
-  const timer = new Promise(done => setTimeout(() => done("timeout"), 20000));
-  if ((await Promise.race([MathJax.startup.promise, timer])) === "timeout")
-    return [nodes.length, 0, "MathJax did not finish typesetting within 20 s"];
-  const good = nodes.filter(n => n.querySelector("mjx-container") && !n.querySelector("mjx-merror"));
-  return [nodes.length, good.length, null];
-}"""
-
-_CONTENT = """() => {
+  if (await late(Promise.all(images.map(img => img.complete ? null : new Promise(done => {
+        img.addEventListener("load", done, {once: true}); img.addEventListener("error", done, {once: true}); }))), 15000))
+    problems.push("images still loading after 15 s");
+  images.filter(img => !(img.complete && img.naturalWidth > 0 && img.naturalHeight > 0))
+        .forEach(img => problems.push("image did not load: " + (img.getAttribute("src") || "(no src)").slice(0, 120)));
+  const math = Array.from(document.querySelectorAll(".math"));
+  if (math.length && !(window.MathJax && MathJax.startup && MathJax.startup.promise)) problems.push("MathJax did not load");
+  else if (math.length && await late(MathJax.startup.promise, 20000))
+    problems.push("MathJax did not finish typesetting within 20 s");
   const shown = el => el.checkVisibility({opacityProperty: true, visibilityProperty: true})
                       && el.getBoundingClientRect().height > 0;
   const inputs = Array.from(document.querySelectorAll("div.cell div.cell_input"));
   const outputs = Array.from(document.querySelectorAll("div.cell div.cell_output"));
-  const hrefs = sel => Array.from(document.querySelectorAll(sel), a => a.href);
   return {
-    plots: document.querySelectorAll("div.cell_output img").length,
+    problems, math: math.length,
+    typeset: math.filter(n => n.querySelector("mjx-container") && !n.querySelector("mjx-merror")).length,
+    plots: document.querySelectorAll("div.cell_output img").length,  // images inside cell outputs: the notebook's figures
     cells: inputs.length, cells_visible: inputs.filter(shown).length,
     outputs: outputs.length, outputs_visible: outputs.filter(shown).length,
-    colab: hrefs('a[href*="colab.research.google.com"]'),
+    colab: Array.from(document.querySelectorAll('a[href*="colab.research.google.com"]'), a => a.href),
   };
 }"""
 
-def inspect_page(browser, url: str, screenshot: Path | None = None) -> PageReport:
-    """Open `url` in a fresh browser context that may reach nothing but the site's own server."""
-    origin = "{0.scheme}://{0.netloc}".format(urllib.parse.urlsplit(url))
-    report = PageReport(url)
-    problems: list[str] = []
-    blocked: set[str] = set()
+
+def inspect_page(browser, url: str, screenshot: Path | None = None) -> dict:
+    """Open `url` in a fresh browser context that may reach nothing but the site's own server: what
+    `_PAGE` reads, with the console errors and the failed or outside requests added to its problems."""
+    origin = url[:url.index("/", len("http://"))]
+    problems, blocked = [], set()
 
     def only_the_site(route):
-        request_url = route.request.url
-        if request_url.startswith(origin + "/") or request_url.startswith("data:"):
-            route.continue_()
-        else:
-            blocked.add(request_url)
-            problems.append(f"request leaves the site (it must read offline): {request_url}")
-            route.abort()
+        if route.request.url.startswith((origin + "/", "data:")):
+            return route.continue_()
+        blocked.add(route.request.url)
+        problems.append(f"request leaves the site (it must read offline): {route.request.url}")
+        route.abort()
 
     context = browser.new_context(viewport={"width": 1280, "height": 900}, service_workers="block")
     try:
@@ -156,34 +90,22 @@ def inspect_page(browser, url: str, screenshot: Path | None = None) -> PageRepor
         page.on("console", lambda m: m.type == "error" and problems.append(f"console error: {m.text}"))
         page.on("pageerror", lambda e: problems.append(f"script error: {e}"))
         page.on("response", lambda r: r.status >= 400 and problems.append(f"HTTP {r.status}: {r.url}"))
-        page.on("requestfailed", lambda r: r.url not in blocked and problems.append(
-            f"failed to load {r.url}: {r.failure}"))
+        page.on("requestfailed", lambda r: r.url not in blocked and problems.append(f"failed to load {r.url}: {r.failure}"))
         page.goto(url, wait_until="load", timeout=30_000)
         page.wait_for_load_state("networkidle", timeout=15_000)  # late requests: fonts, async scripts
-        broken, timed_out = page.evaluate(_IMAGES_SETTLED)
-        problems.extend(f"image did not load: {src}" for src in broken)
-        if timed_out:
-            problems.append("images still loading after 15 s")
-        report.math, report.typeset, math_error = page.evaluate(_MATH)
-        if math_error:
-            problems.append(math_error)
-        for key, value in page.evaluate(_CONTENT).items():
-            setattr(report, key, value)
+        report = page.evaluate(_PAGE)
         if screenshot is not None:
-            screenshot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(screenshot), full_page=True, type="jpeg", quality=70)
-        report.problems = list(problems)  # taken before closing: closing cancels requests still in flight
+        report["problems"] = problems + report["problems"]  # a copy: closing cancels requests still in flight
     finally:
         context.close()
-    return report
+    return {"url": url, **report}
 
 
 # --- what each page must show --------------------------------------------------------------
 
-REMOVED_INPUT = {"remove-cell", "remove-input"}      # myst-nb leaves these out of the page
-REMOVED_OUTPUT = {"remove-cell", "remove-output"}
-FOLDED_INPUT = {"hide-cell", "hide-input"}           # on the page, inside a closed <details>
-FOLDED_OUTPUT = {"hide-cell", "hide-output"}
+REMOVED_INPUT, REMOVED_OUTPUT = {"remove-cell", "remove-input"}, {"remove-cell", "remove-output"}  # not on the page
+FOLDED_INPUT, FOLDED_OUTPUT = {"hide-cell", "hide-input"}, {"hide-cell", "hide-output"}  # in a closed <details>
 _TEX = re.compile(r"\$\$.+?\$\$|\$[^$\n]+\$|\\begin\{", re.S)
 
 
@@ -205,19 +127,19 @@ def expected_content(entry: str) -> dict:
     }
 
 
-def page_problems(report: PageReport, expected: dict, colab: list[str]) -> list[str]:
-    """Everything wrong with one inspected page, given what its notebook (`expected_content`)
-    promises and the Colab link(s) it must have."""
-    problems = list(report.problems)
-    if report.math != report.typeset:
-        problems.append(f"math not typeset: {report.math - report.typeset} of {report.math} formulas")
+def page_problems(report: dict, entry: str) -> list[str]:
+    """Everything wrong with the inspected page of `entry`, given what its notebook promises
+    (`expected_content`) and the Colab button it must have."""
+    expected, problems = expected_content(entry), list(report["problems"])
+    if report["math"] != report["typeset"]:
+        problems.append(f"math not typeset: {report['math'] - report['typeset']} of {report['math']} formulas")
     for key in ("cells", "cells_visible", "outputs", "outputs_visible", "plots"):
-        if getattr(report, key) != expected[key]:
-            problems.append(f"{key}: the page has {getattr(report, key)}, the notebook {expected[key]}")
-    if report.math < expected["tex"]:
-        problems.append(f"{report.math} formulas on the page, the notebook's text has {expected['tex']}")
-    if report.colab != colab:
-        problems.append(f"Colab link(s) {report.colab}, expected {colab}")
+        if report[key] != expected[key]:
+            problems.append(f"{key}: the page has {report[key]}, the notebook {expected[key]}")
+    if report["math"] < expected["tex"]:
+        problems.append(f"{report['math']} formulas on the page, the notebook's text has {expected['tex']}")
+    if report["colab"] != [colab_url(entry)]:
+        problems.append(f"Colab link(s) {report['colab']}, expected {[colab_url(entry)]}")
     return problems
 
 
@@ -225,63 +147,62 @@ def page_problems(report: PageReport, expected: dict, colab: list[str]) -> list[
 
 SCREENSHOTS = ROOT / "test-artifacts" / "screenshots"
 ENTRIES = toc_entries(ROOT / "_toc.yml")            # book/00_front_page, book/00_run_it, ...
-CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
-REPOSITORY = CONFIG["repository"]["url"].removeprefix("https://github.com/")
+REPOSITORY = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"].removeprefix("https://github.com/")
 
 
 def colab_url(entry: str, branch: str = "main") -> str:
     return f"https://colab.research.google.com/github/{REPOSITORY}/blob/{branch}/{entry}.ipynb"
 
 
-def screenshot_path(page: str):
-    return SCREENSHOTS / (page.replace("/", "__").removesuffix(".html") + ".jpg")
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-
-
 @pytest.fixture(scope="module")
 def browser():
-    executable = find_chromium()
+    executable = next((c for c in [os.environ.get("CHROMIUM"), shutil.which("chromium"), shutil.which("chromium-browser")]
+                       if c and Path(c).exists()), None)
     try:
-        import playwright  # noqa: F401
+        from playwright.sync_api import sync_playwright
     except ImportError:
         executable = None
     if executable is None:
-        if in_ci():
+        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
             pytest.fail(f"CI must run the browser test, but {HOW_TO_ENABLE}")
         pytest.skip(HOW_TO_ENABLE)
-    with chromium(executable) as launched:
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
         yield launched
+        launched.close()
 
 
-def inspect_site(browser, site, entries, screenshots=False):
-    with serve(site) as base_url:
-        return {entry: inspect_page(browser, f"{base_url}{entry}.html",
-                                       screenshot_path(f"{entry}.html") if screenshots else None)
-                for entry in entries}
+def inspect_site(browser, site: Path, entries, screenshots=False) -> dict:
+    """Serve `site` on 127.0.0.1 (a free port) and inspect the page of each entry."""
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=str(site))) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            return {entry: inspect_page(browser, f"http://127.0.0.1:{server.server_address[1]}/{entry}.html",
+                                        SCREENSHOTS / f"{entry.replace('/', '__')}.jpg" if screenshots else None)
+                    for entry in entries}
+        finally:
+            server.shutdown()
 
 
 @pytest.fixture(scope="module")
 def reports(browser, site):
-    if SCREENSHOTS.exists():
-        shutil.rmtree(SCREENSHOTS)
+    shutil.rmtree(SCREENSHOTS, ignore_errors=True)
+    SCREENSHOTS.mkdir(parents=True)
     return inspect_site(browser, site, ENTRIES, screenshots=True)
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.removeprefix("book/"))
 def test_page_in_the_browser(reports, entry):
-    assert page_problems(reports[entry], expected_content(entry), [colab_url(entry)]) == []
-    assert screenshot_path(f"{entry}.html").stat().st_size > 10_000
+    assert page_problems(reports[entry], entry) == []
+    assert (SCREENSHOTS / f"{entry.replace('/', '__')}.jpg").stat().st_size > 10_000
 
 
 def test_the_checks_had_something_to_check(reports):
     """The per-page checks must not pass vacuously: the site has plots, math and cells."""
     plots = sum(expected_content(e)["plots"] for e in ENTRIES)
-    assert plots >= 10 and sum(r.plots for r in reports.values()) >= plots
-    assert sum(r.typeset for r in reports.values()) >= 100
-    assert sum(r.cells for r in reports.values()) >= 200
+    assert plots >= 10 and sum(r["plots"] for r in reports.values()) >= plots
+    assert sum(r["typeset"] for r in reports.values()) >= 100
+    assert sum(r["cells"] for r in reports.values()) >= 200
 
 
 # --- the checks catch what they guard -------------------------------------------------------
@@ -290,10 +211,8 @@ def test_a_broken_site_is_caught(browser, broken_site):
     """Each page of the broken book (conftest.py) is compared with the real notebook it came from,
     and must report exactly its break, and a Colab button on the wrong branch (every page)."""
     reports = inspect_site(browser, broken_site, BROKEN_PAGES)
-    problems = {e: page_problems(reports[e], expected_content(e), [colab_url(e)]) for e in BROKEN_PAGES}
-    url = reports[BROKEN_PAGES[0]].url.removesuffix(f"{BROKEN_PAGES[0]}.html")
-
-    wanted = {
+    url = reports[BROKEN_PAGES[0]]["url"].removesuffix(f"{BROKEN_PAGES[0]}.html")
+    wanted = {  # exactly these problems, each given by the start of its message
         "book/00_front_page": [],
         "book/01_vmap_basics": [],  # its broken links are for the link check (test_site.py)
         "book/02_jacobians_hessians": [f"HTTP 404: {url}book/no-such-figure.png", "console error: Failed to load resource",
@@ -304,10 +223,7 @@ def test_a_broken_site_is_caught(browser, broken_site):
         "book/07_compile_with_transforms": ["plots: the page has "],
         "book/08_recipe_box": ["outputs_visible: the page has "],
     }
-    wrong = {}
-    for entry, starts in wanted.items():  # exactly these problems, each given by the start of its message
-        starts = sorted([f"Colab link(s) {[colab_url(entry, 'master')]}", *starts])
-        got = sorted(problems[entry])
-        if not (len(got) == len(starts) and all(g.startswith(e) for g, e in zip(got, starts))):
-            wrong[entry] = got
-    assert wrong == {}
+    wanted = {e: sorted([f"Colab link(s) {[colab_url(e, 'master')]}", *starts]) for e, starts in wanted.items()}
+    got = {e: sorted(page_problems(reports[e], e)) for e in wanted}
+    # each problem cut to the length of the start it must have; any problem beyond those stays whole
+    assert {e: [g[:len(s)] for g, s in zip(got[e], starts)] + got[e][len(starts):] for e, starts in wanted.items()} == wanted, got

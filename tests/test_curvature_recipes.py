@@ -9,21 +9,15 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from test_adversarial_models import CASES, mixing
-from test_recipes import TARGETS, ZOO, close, grad_rows, recipes  # noqa: F401 (fixture)
+from test_recipes import TARGETS, ZOO, Model, close, grad_rows, recipes  # noqa: F401 (fixture)
 
 X = torch.randn(5, 6, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
 
 
-class Residual(nn.Module):
+def residual(m, x):
     """A custom forward: a skip connection around a LayerNorm'd hidden layer."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp, self.norm, self.hidden, self.out = nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 5), nn.Linear(5, 3)
-
-    def forward(self, x):
-        h = self.norm(torch.tanh(self.inp(x)))
-        return self.out(h + torch.sin(self.hidden(h)))
+    h = m.norm(torch.tanh(m.inp(x)))
+    return m.out(h + torch.sin(m.hidden(h)))
 
 
 def own_models():
@@ -31,7 +25,9 @@ def own_models():
     torch.manual_seed(0)
     batchnorm = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 3))
     batchnorm(torch.randn(16, 6, generator=torch.Generator().manual_seed(12)))
-    models = {"custom forward": Residual(), "BatchNorm1d, eval mode": batchnorm.eval(),
+    models = {"custom forward": Model(residual, inp=nn.Linear(6, 5), norm=nn.LayerNorm(5), hidden=nn.Linear(5, 5),
+                                      out=nn.Linear(5, 3)),
+              "BatchNorm1d, eval mode": batchnorm.eval(),
               **{name: CASES[name][0] for name in ["frozen parameters", "one layer used twice", "a weight used outside its layer"]}}
     return {name: (model.double(), X) for name, model in models.items()}
 
@@ -51,9 +47,8 @@ def flat(d):
 
 
 def unflat(vector, model):
-    sizes = [p.numel() for p in trainable(model)]
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    return {n: piece.view(p.shape) for n, piece, p in zip(names, vector.split(sizes), trainable(model))}
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return {n: piece.view(p.shape) for (n, p), piece in zip(named, vector.split([p.numel() for _, p in named]))}
 
 
 def gradient(model, x, t, loss=F.cross_entropy):

@@ -1,6 +1,5 @@
 """nbval is only worth running if it fails when an output changes. For every notebook, alter the
 first output that nbval compares, run nbval on that copy, and require exactly that cell to fail."""
-import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -10,25 +9,15 @@ import pytest
 
 from bookcheck import notebooks
 
-IGNORED = {"nbval-ignore-output", "nbval-skip", "raises-exception"}
-
-
-def first_compared_output(nb):
-    """(index among code cells, output) of the first text output that nbval compares."""
-    code_cells = [c for c in nb.cells if c.cell_type == "code"]
-    for index, cell in enumerate(code_cells):
-        if IGNORED & set(cell.metadata.get("tags", [])):
-            continue
-        for output in cell.outputs:
-            if output.output_type == "stream" or "text/plain" in output.get("data", {}):
-                return index, output
-    return None, None
+IGNORED = {"nbval-ignore-output", "nbval-skip", "raises-exception"}  # cells whose outputs nbval does not compare
 
 
 @pytest.mark.parametrize("nb_path", notebooks(), ids=lambda p: p.name)
 def test_nbval_fails_when_a_stored_output_is_altered(nb_path, tmp_path):
     nb = nbformat.read(nb_path, as_version=4)
-    index, output = first_compared_output(nb)
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    index, output = next(((i, o) for i, c in enumerate(code_cells) if not IGNORED & set(c.metadata.get("tags", []))
+                          for o in c.outputs if o.output_type == "stream" or "text/plain" in o.get("data", {})), (None, None))
     assert output is not None, f"{nb_path.name} has no output that nbval compares"
     if output.output_type == "stream":
         output.text = output.text.replace("True", "False") if "True" in output.text else output.text + "altered\n"

@@ -18,9 +18,9 @@ BOX = BOOK / "08_recipe_box.md"
 @pytest.fixture(scope="module")
 def recipes():
     namespace = {}
-    cells = [c for c in jupytext.read(BOX).cells if c.cell_type == "code"]
-    for cell in cells:  # the import cell, then every recipe
-        exec(compile(cell.source, str(BOX), "exec"), namespace)
+    for cell in jupytext.read(BOX).cells:  # the import cell, then every recipe
+        if cell.cell_type == "code":
+            exec(compile(cell.source, str(BOX), "exec"), namespace)
     return namespace
 
 
@@ -29,17 +29,17 @@ def close(a, b, rtol=1e-10):
     return True
 
 
-class AttentionBlock(nn.Module):
-    """A small self-attention block on (B, T, E) sequences, then a linear head on the mean token."""
+class Model(nn.Module):
+    """The modules and parameters given, under their names, and a forward function of (model, x)."""
 
-    def __init__(self):
+    def __init__(self, forward, **parts):
         super().__init__()
-        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
-        self.norm, self.head = nn.LayerNorm(8), nn.Linear(8, 3)
+        self.fn = forward
+        for name, part in parts.items():
+            setattr(self, name, part)
 
     def forward(self, x):
-        h = self.norm(x + self.attention(x, x, x, need_weights=False)[0])
-        return self.head(h.mean(dim=1))
+        return self.fn(self, x)
 
 
 def zoo():
@@ -58,7 +58,9 @@ def zoo():
         "LayerNorm": (nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3)), torch.randn(5, 6, generator=g)),
         "GroupNorm": (nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)),
                       torch.randn(5, 1, 8, 8, generator=g)),
-        "attention": (AttentionBlock(), torch.randn(5, 4, 8, generator=g)),
+        "attention": (Model(lambda m, x: m.head(m.norm(x + m.attention(x, x, x, need_weights=False)[0]).mean(dim=1)),
+                            attention=nn.MultiheadAttention(8, 2, batch_first=True), norm=nn.LayerNorm(8), head=nn.Linear(8, 3)),
+                      torch.randn(5, 4, 8, generator=g)),  # self-attention on (B, T, E), then a head on the mean token
         "buffers, eval mode": (bn, torch.randn(5, 1, 8, 8, generator=g)),
     }
     return {name: (model.double(), x.double() if x.is_floating_point() else x) for name, (model, x) in models.items()}
@@ -69,9 +71,9 @@ TARGETS = torch.randint(3, (5,), generator=torch.Generator().manual_seed(2))
 
 
 def loop_per_sample(model, x, t):
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = [torch.autograd.grad(F.cross_entropy(model(xi[None]), ti[None]), params) for xi, ti in zip(x, t)]
-    return {n: torch.stack([r[i] for r in rows]) for i, (n, _) in enumerate(m for m in model.named_parameters() if m[1].requires_grad)}
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    rows = [torch.autograd.grad(F.cross_entropy(model(xi[None]), ti[None]), [p for _, p in named]) for xi, ti in zip(x, t)]
+    return {n: torch.stack([r[i] for r in rows]) for i, (n, _) in enumerate(named)}
 
 
 def grad_rows(outputs, model):
@@ -119,46 +121,49 @@ def test_pairwise_jacobian_hvp(recipes):
 # per_sample_grads and output_jacobian must take the unroll (LSTM, GRU) or the loop, report it, and
 # still equal the loop; a user's own error inside forward must still raise.
 
-class TinyTransformer(nn.Module):
+def tiny_transformer(m, tokens):
     """Embedding, one encoder layer that ignores padding tokens (id 0), mean over real tokens, head."""
+    pad = tokens == 0
+    h = m.encoder(m.embed(tokens), src_key_padding_mask=pad)
+    keep = (~pad).unsqueeze(-1).to(h.dtype)
+    return m.head((h * keep).sum(1) / keep.sum(1))
 
-    def __init__(self, vocab=11, width=8, classes=3):
+
+class RecurrentHead(nn.Module):
+    """Examples along dim 0 of (B, T, 3); a head reads the last output and every final state (so their
+    order is checked too). hx: learned initial states; unbatched: each sequence on its own, as 2-D."""
+
+    def __init__(self, rnn, hx=False, unbatched=False):
         super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.encoder = nn.TransformerEncoderLayer(width, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
-        self.head = nn.Linear(width, classes)
+        self.rnn, self.unbatched = rnn, unbatched
+        lstm, directions = isinstance(rnn, nn.LSTM), 2 if rnn.bidirectional else 1
+        states, width = rnn.num_layers * directions, rnn.proj_size or rnn.hidden_size
+        self.h0 = nn.Parameter(torch.randn(states, 1, width)) if hx else None
+        self.c0 = nn.Parameter(torch.randn(states, 1, rnn.hidden_size)) if hx and lstm else None
+        self.head = nn.Linear(width * (states + directions) + lstm * rnn.hidden_size * states, 3)
 
-    def forward(self, tokens):
-        pad = tokens == 0
-        h = self.encoder(self.embed(tokens), src_key_padding_mask=pad)
-        keep = (~pad).unsqueeze(-1).to(h.dtype)
-        return self.head((h * keep).sum(1) / keep.sum(1))
-
-
-class Recurrent(nn.Module):
-    def __init__(self, kind):
-        super().__init__()
-        self.rnn, self.head = kind(3, 6, batch_first=True), nn.Linear(6, 3)
+    def run(self, x):  # x: (B, T, 3) or, unbatched, (T, 3)
+        batch_dim = None if x.dim() == 2 else (0 if self.rnn.batch_first else 1)
+        initial = lambda p: p[:, 0] if batch_dim is None else p.expand(-1, x.shape[0], -1)
+        hx = None if self.h0 is None else initial(self.h0) if self.c0 is None else (initial(self.h0), initial(self.c0))
+        out, state = self.rnn(x.transpose(0, 1) if batch_dim == 1 else x, hx)
+        states = state if isinstance(state, tuple) else (state,)
+        if batch_dim is None:
+            return torch.cat([out[-1], *(s.flatten() for s in states)])
+        last = out[:, -1] if batch_dim == 0 else out[-1]
+        return torch.cat([last, *(s.transpose(0, 1).flatten(1) for s in states)], dim=-1)
 
     def forward(self, x):
-        return self.head(self.rnn(x)[0][:, -1])
+        return self.head(torch.stack([self.run(seq) for seq in x]) if self.unbatched else self.run(x))
 
 
-class Checkpointed(nn.Module):
+def checkpointed(norm):
     """A block recomputed in the backward pass. With linear layers only, the fast path's trace accepts
     it (its products need no saved tensors of vmap's); a LayerNorm inside sends it to vmap, which
     cannot run saved tensor hooks, and so to the loop."""
-
-    def __init__(self, norm):
-        super().__init__()
-        self.inner, self.outer, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
-        self.norm = nn.LayerNorm(8) if norm else nn.Identity()
-
-    def block(self, x):
-        return torch.tanh(self.outer(self.norm(torch.tanh(self.inner(x)))))
-
-    def forward(self, x):
-        return self.head(checkpoint(self.block, x, use_reentrant=False))
+    block = lambda m, x: torch.tanh(m.outer(m.norm(torch.tanh(m.inner(x)))))
+    return Model(lambda m, x: m.head(checkpoint(block, m, x, use_reentrant=False)), inner=nn.Linear(6, 8),
+                 outer=nn.Linear(8, 8), head=nn.Linear(8, 3), norm=nn.LayerNorm(8) if norm else nn.Identity())
 
 
 def real_models():
@@ -167,18 +172,36 @@ def real_models():
     tokens = torch.randint(1, 11, (5, 6), generator=g)
     for n, length in enumerate([6, 4, 2, 5, 1]):
         tokens[n, length:] = 0  # padding at the end of each sequence
-    return {
-        "transformer": (TinyTransformer().double(), tokens, "general"),
-        "LSTM": (Recurrent(nn.LSTM).double(), torch.randn(5, 4, 3, generator=g, dtype=torch.float64), "unroll"),
-        "GRU": (Recurrent(nn.GRU).double(), torch.randn(5, 4, 3, generator=g, dtype=torch.float64), "unroll"),
-        "checkpoint, linear only": (Checkpointed(False).double(), torch.randn(5, 6, generator=g, dtype=torch.float64), "fast"),
-        "checkpoint with LayerNorm": (Checkpointed(True).double(), torch.randn(5, 6, generator=g, dtype=torch.float64), "loop"),
+    data = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
+    return {  # a head on the last output and the final states (RecurrentHead): the unroll's states are checked too
+        "transformer": (Model(tiny_transformer, embed=nn.Embedding(11, 8),
+                              encoder=nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True),
+                              head=nn.Linear(8, 3)).double(), tokens, "general"),
+        "LSTM": (RecurrentHead(nn.LSTM(3, 6, batch_first=True)).double(), data(5, 4, 3), "unroll"),
+        "GRU": (RecurrentHead(nn.GRU(3, 6, batch_first=True)).double(), data(5, 4, 3), "unroll"),
+        "checkpoint, linear only": (checkpointed(False).double(), data(5, 6), "fast"),
+        "checkpoint with LayerNorm": (checkpointed(True).double(), data(5, 6), "loop"),
     }
 
 
 REAL = real_models()
 # Every model, with the path the recipes must take (None: not prescribed).
 ALL_MODELS = {**{name: (model, x, None) for name, (model, x) in ZOO.items()}, **REAL}
+
+
+def check_paths(call, same, expected_path):
+    """The path a recipe takes on its own, chunks, the loop, and the general path: all equal to the loop, but
+    where vmap alone cannot run the model, the general path raises (the fallback is what makes these work)."""
+    got, report = call(report=True)
+    assert same(got) and report.path == (expected_path or report.path), report
+    assert same(call(chunk_size=2)) and same(call(path="loop"))
+    if expected_path in (None, "general"):
+        assert same(call(path="general"))
+    elif expected_path in ("loop", "unroll"):
+        with pytest.raises(RuntimeError):
+            call(path="general")
+    if expected_path == "unroll":  # forced
+        assert same(call(path="unroll"))
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
@@ -188,14 +211,7 @@ def test_per_sample_grads(recipes, name):
     expected = loop_per_sample(model, x, TARGETS)
     same = lambda got: list(got) == list(expected) and all(close(got[k], expected[k]) for k in expected)
     grads = lambda **options: recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, **options)
-    got, report = grads(report=True)
-    assert same(got) and report.path == (expected_path or report.path), report
-    assert same(grads(chunk_size=2)) and same(grads(path="loop"))
-    if expected_path in (None, "general"):
-        assert same(grads(path="general"))
-    elif expected_path in ("loop", "unroll"):  # the general path alone raises: the fallback is what makes these work
-        with pytest.raises(RuntimeError):
-            grads(path="general")
+    check_paths(grads, same, expected_path)
     buffers = {k: torch.full_like(v, float("nan")) for k, v in expected.items()}
     assert all(v is buffers[k] for k, v in grads(out=buffers).items()) and same(buffers)
     for context in (torch.no_grad, torch.inference_mode):
@@ -205,6 +221,7 @@ def test_per_sample_grads(recipes, name):
     assert all(close(one[k], expected[k][:1]) for k in expected)
     empty = recipes["per_sample_grads"](model, F.cross_entropy, x[:0], TARGETS[:0])
     assert all(empty[k].shape == (0, *v.shape[1:]) for k, v in expected.items())
+    assert all("forward" not in vars(m) for m in model.modules())  # an unrolled layer has its fused forward back
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
@@ -213,14 +230,7 @@ def test_output_jacobian_and_ntk(recipes, name):
     model, x, expected_path = ALL_MODELS[name]
     expected = loop_output_jacobian(model, x)
     jacobian = lambda inputs=x, **options: recipes["output_jacobian"](model, inputs, **options)
-    got, report = jacobian(report=True)
-    assert close(got, expected) and report.path == (expected_path or report.path), report
-    assert close(jacobian(chunk_size=2), expected) and close(jacobian(path="loop"), expected)
-    if expected_path in (None, "general"):
-        assert close(jacobian(path="general"), expected)
-    elif expected_path in ("loop", "unroll"):
-        with pytest.raises(RuntimeError):
-            jacobian(path="general")
+    check_paths(jacobian, lambda got: close(got, expected), expected_path)
     buffer = torch.full_like(expected, float("nan"))
     assert jacobian(out=buffer) is buffer and close(buffer, expected)
     with torch.inference_mode():
@@ -236,24 +246,19 @@ def test_output_jacobian_and_ntk(recipes, name):
     assert close(recipes["empirical_ntk"](model, x[:3], x[3:]), torch.einsum("aip,bjp->abij", expected[:3], expected[3:]))
 
 
-class BuggyGRU(Recurrent):
+def buggy_gru(m, x):
     """A genuine mistake in forward (adding a (2, 6) tensor to a (B, 6) state): it must surface, not be looped away."""
-
-    def __init__(self, bug):
-        super().__init__(nn.GRU)
-        self.bug = bug
-
-    def forward(self, x):
-        h = self.rnn(x)[0][:, -1]
-        if self.bug == "value":
-            raise ValueError("my own check failed")
-        return self.head(h.add_(torch.ones(2, 6, dtype=h.dtype)))
+    h = m.rnn(x)[0][:, -1]
+    if m.bug == "value":
+        raise ValueError("my own check failed")
+    return m.head(h.add_(torch.ones(2, 6, dtype=h.dtype)))
 
 
 @pytest.mark.parametrize("bug", ["value", "shape"])
 def test_users_own_error_still_raises(recipes, bug):
     """From every recipe that falls back to the loop where vmap cannot run a model."""
-    model, x, ones = BuggyGRU(bug).double(), REAL["GRU"][1], torch.ones(5, dtype=torch.float64)
+    model = Model(buggy_gru, rnn=nn.GRU(3, 6, batch_first=True), head=nn.Linear(6, 3), bug=bug).double()
+    x, ones = REAL["GRU"][1], torch.ones(5, dtype=torch.float64)
     for call in (lambda: recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS),
                  lambda: recipes["output_jacobian"](model, x),
                  lambda: recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS),
@@ -277,41 +282,8 @@ def test_only_known_vmap_gaps_are_recognised(recipes):
 
 
 # Recurrent layers on the unroll path (book/_shared/vmap_gaps.py): every option nn.RNNBase has, through
-# both recipes, against the loop (which runs the fused kernel) in float64 at close()'s 1e-10.
-class RecurrentHead(nn.Module):
-    """Examples along dim 0 of (B, T, 3); a head reads the last output and every final state (so their
-    order is checked too). hx: learned initial states; unbatched: each sequence on its own, as 2-D."""
-
-    def __init__(self, rnn, hx=False, unbatched=False):
-        super().__init__()
-        self.rnn, self.unbatched = rnn, unbatched
-        states = rnn.num_layers * (2 if rnn.bidirectional else 1)
-        width = getattr(rnn, "proj_size", 0) or rnn.hidden_size
-        self.h0 = nn.Parameter(torch.randn(states, 1, width)) if hx else None
-        self.c0 = nn.Parameter(torch.randn(states, 1, rnn.hidden_size)) if hx and isinstance(rnn, nn.LSTM) else None
-        n_out = rnn.hidden_size if isinstance(rnn, nn.LSTM) else 0
-        self.head = nn.Linear(width * (states + (2 if rnn.bidirectional else 1)) + n_out * states, 3)
-
-    def run(self, x):  # x: (B, T, 3) or, unbatched, (T, 3)
-        batch_dim = None if x.dim() == 2 else (0 if self.rnn.batch_first else 1)
-        seq = x.transpose(0, 1) if batch_dim == 1 else x
-        hx = None
-        if self.h0 is not None:
-            hx = self.h0.expand(-1, x.shape[0], -1) if batch_dim is not None else self.h0[:, 0]
-            if self.c0 is not None:
-                hx = (hx, self.c0.expand(-1, x.shape[0], -1) if batch_dim is not None else self.c0[:, 0])
-        out, state = self.rnn(seq, hx)
-        states = state if isinstance(state, tuple) else (state,)
-        if batch_dim is None:
-            return torch.cat([out[-1], *(s.flatten() for s in states)])
-        last = out[:, -1] if batch_dim == 0 else out[-1]
-        return torch.cat([last, *(s.transpose(0, 1).flatten(1) for s in states)], dim=-1)
-
-    def forward(self, x):
-        features = torch.stack([self.run(seq) for seq in x]) if self.unbatched else self.run(x)
-        return self.head(features)
-
-
+# both recipes, against the loop (which runs the fused kernel) in float64 at close()'s 1e-10. A plain
+# one-layer LSTM and GRU are REAL's, through every recipe and option above.
 class DoublingGRU(nn.GRU):
     """Overrides forward: the unroll must leave it alone (vmap fails on it, so the loop runs)."""
 
@@ -324,30 +296,12 @@ class PlainSubclassGRU(nn.GRU):
     """Keeps nn.GRU's forward: the unroll computes it."""
 
 
-class Packed(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.rnn, self.head = nn.GRU(3, 5, batch_first=True), nn.Linear(5, 3)
-
-    def forward(self, x):
-        packed = nn.utils.rnn.pack_padded_sequence(x, [x.shape[1]] * len(x), batch_first=True)
-        return self.head(nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0][:, -1])
-
-
-class CheckpointedGRU(nn.Module):
-    """A GRU under torch.utils.checkpoint: unrolled, vmap still meets checkpointing's gap, so the loop runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.rnn, self.head = nn.GRU(3, 5, batch_first=True), nn.Linear(5, 3)
-
-    def forward(self, x):
-        return self.head(checkpoint(lambda x: self.rnn(x)[0][:, -1], x, use_reentrant=False))
+def packed(m, x):  # whole sequences, packed then unpacked
+    sequences = nn.utils.rnn.pack_padded_sequence(x, [x.shape[1]] * len(x), batch_first=True)
+    return m.head(nn.utils.rnn.pad_packed_sequence(m.rnn(sequences)[0], batch_first=True)[0][:, -1])
 
 
 RECURRENT = {  # name: (factory, expected path)
-    "GRU": (lambda: RecurrentHead(nn.GRU(3, 5, batch_first=True)), "unroll"),
-    "LSTM": (lambda: RecurrentHead(nn.LSTM(3, 5, batch_first=True)), "unroll"),
     "RNN relu, 2 layers, no bias": (lambda: RecurrentHead(nn.RNN(3, 5, 2, nonlinearity="relu", bias=False, batch_first=True)), "unroll"),
     "GRU 2 layers bidirectional, time-major": (lambda: RecurrentHead(nn.GRU(3, 5, 2, bidirectional=True)), "unroll"),
     "LSTM proj_size, bidirectional": (lambda: RecurrentHead(nn.LSTM(3, 5, proj_size=2, bidirectional=True, batch_first=True)), "unroll"),
@@ -358,8 +312,10 @@ RECURRENT = {  # name: (factory, expected path)
     "GRU unbatched input, hx": (lambda: RecurrentHead(nn.GRU(3, 5, bidirectional=True), hx=True, unbatched=True), "unroll"),
     "subclass keeping forward": (lambda: RecurrentHead(PlainSubclassGRU(3, 5, batch_first=True)), "unroll"),
     "subclass overriding forward": (lambda: RecurrentHead(DoublingGRU(3, 5, batch_first=True)), "loop"),
-    "PackedSequence": (Packed, "loop"),
-    "GRU under checkpoint": (CheckpointedGRU, "loop"),
+    "PackedSequence": (lambda: Model(packed, rnn=nn.GRU(3, 5, batch_first=True), head=nn.Linear(5, 3)), "loop"),
+    "GRU under checkpoint": (  # unrolled, vmap still meets checkpointing's gap, so the loop runs
+        lambda: Model(lambda m, x: m.head(checkpoint(lambda x: m.rnn(x)[0][:, -1], x, use_reentrant=False)),
+                      rnn=nn.GRU(3, 5, batch_first=True), head=nn.Linear(5, 3)), "loop"),
 }
 
 
@@ -372,26 +328,22 @@ def test_recurrent_layers(recipes, name):
     x = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     grads, report = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, report=True)
     expected = loop_per_sample(model, x, TARGETS)
-    assert report.path == expected_path, report
-    assert all(close(grads[k], expected[k]) for k in expected)
+    assert report.path == expected_path and all(close(grads[k], expected[k]) for k in expected), report
     jacobian, report = recipes["output_jacobian"](model, x, report=True)
     assert report.path == expected_path and close(jacobian, loop_output_jacobian(model, x))
     if expected_path == "unroll":
         forced = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, path="unroll")
         assert all(close(forced[k], expected[k]) for k in expected)
-    elif name != "GRU under checkpoint":  # the unroll refuses (or leaves the layer alone) and says so when forced
-        with pytest.raises(ValueError, match="unroll"):
-            recipes["output_jacobian"](model, x, path="unroll")
-    else:  # forced, vmap's gap is raised, not looped away
-        with pytest.raises(RuntimeError):
+    else:  # forced, the unroll refuses (or leaves the layer alone) and says so; under checkpoint, vmap's gap is raised
+        checkpointed = "checkpoint" in name
+        with pytest.raises(RuntimeError if checkpointed else ValueError, match=None if checkpointed else "unroll"):
             recipes["output_jacobian"](model, x, path="unroll")
     assert all("forward" not in vars(m) for m in model.modules())  # the fused forward is back
 
 
 def test_a_wrong_unroll_is_caught(recipes):
     """The equality check guards the unroll: the GRU's gates taken in the wrong order (z, r, n) fail it."""
-    model = RecurrentHead(nn.GRU(3, 5, batch_first=True)).double()
-    x = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    model, x, _ = REAL["GRU"]
     cells, right = recipes["_CELLS"], recipes["_CELLS"]["GRU"]
     swap = lambda t: torch.cat([*t.chunk(3, 0)[1::-1], t.chunk(3, 0)[2]])  # (r, z, n) -> (z, r, n) along the gates
     cells["GRU"] = lambda gi, h, c, w: right(swap(gi.movedim(-1, 0)).movedim(0, -1), h, c, {**w, "weight_hh": swap(w["weight_hh"])})
@@ -405,29 +357,33 @@ def test_a_wrong_unroll_is_caught(recipes):
 
 # ---------------------------------------------------------------------------------------------
 # Per-sample gradient norms without B·P (book/11_real_models.md): per_sample_grad_norms equals the norms
-# of the loop's per-example gradients on every model above, whichever path it takes, and
-# clipped_noisy_gradient equals clip_and_noise applied to the loop's per-example gradients.
+# of the loop's per-example gradients on every model above, and clipped_noisy_gradient equals clip_and_noise
+# applied to the loop's per-example gradients. The norms' fast path (one traced batched pass; LayerNorm and
+# embedding weights as layers of their own) is taken exactly where the trace covers every parameter;
+# anything else goes to vmap, the unroll or the loop:
+NORMS_PATH = {"GroupNorm": "vmap", "attention": "vmap", "buffers, eval mode": "vmap", "transformer": "vmap", "LSTM": "unroll", "GRU": "unroll"}
+
+
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
 @pytest.mark.parametrize("name", list(ALL_MODELS))
 def test_per_sample_grad_norms_and_clipped_step(recipes, name):
     model, x, _ = ALL_MODELS[name]
-    expected = loop_norms(model, x, TARGETS)
-    norms, report = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, report=True)
-    assert close(norms, expected)
-    assert close(recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, chunk_size=2), expected)
+    per_sample, expected = loop_per_sample(model, x, TARGETS), loop_norms(model, x, TARGETS)
+    norms_of = lambda x, t, **options: recipes["per_sample_grad_norms"](model, F.cross_entropy, x, t, **options)
+    norms, report = norms_of(x, TARGETS, report=True)
+    assert close(norms, expected) and report.path == NORMS_PATH.get(name, "fast"), report.reason
+    assert close(norms_of(x, TARGETS, chunk_size=2), expected)
     with torch.inference_mode():  # inputs made under inference mode, and a call under no_grad
         frozen_x, frozen_t = x.clone(), TARGETS.clone()
     with torch.no_grad():
-        assert close(recipes["per_sample_grad_norms"](model, F.cross_entropy, frozen_x, frozen_t), expected)
-    assert recipes["per_sample_grad_norms"](model, F.cross_entropy, x[:0], TARGETS[:0]).shape == (0,)
+        assert close(norms_of(frozen_x, frozen_t), expected)
+    assert norms_of(x[:0], TARGETS[:0]).shape == (0,)
     assert sorted(report.ghost + report.direct + report.streamed) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
     max_norm = expected.median().item()
-    step = recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, norms, max_norm, 0.0)
-    reference = recipes["clip_and_noise"](loop_per_sample(model, x, TARGETS), max_norm, 0.0)
-    assert step.keys() == reference.keys() and all(close(step[k], reference[k]) for k in step)
-    noisy = recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, norms, max_norm, 0.5, torch.Generator().manual_seed(9))
-    noisy_reference = recipes["clip_and_noise"](loop_per_sample(model, x, TARGETS), max_norm, 0.5, torch.Generator().manual_seed(9))
-    assert all(close(noisy[k], noisy_reference[k]) for k in step)
+    for noise, generator in [(0.0, lambda: None), (0.5, lambda: torch.Generator().manual_seed(9))]:
+        step = recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, norms, max_norm, noise, generator())
+        reference = recipes["clip_and_noise"](per_sample, max_norm, noise, generator())
+        assert step.keys() == reference.keys() and all(close(step[k], reference[k]) for k in step)
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
@@ -443,31 +399,6 @@ def test_norms_use_the_token_pairs_on_linear_layers_and_catch_a_missing_share(re
         model.head.bias.requires_grad_(True)
 
 
-# The norms' fast path (one traced batched pass; LayerNorm and embedding weights as layers of their own):
-# taken exactly where the trace covers every parameter; anything else goes to vmap or the loop.
-NORMS_PATH = {"GroupNorm": "vmap", "attention": "vmap", "buffers, eval mode": "vmap", "transformer": "vmap", "LSTM": "unroll", "GRU": "unroll"}
-
-
-class MixesExamples(nn.Module):
-    """Subtracts the batch mean: the batched pass mixes examples, so the fast path must not be taken."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed, self.norm, self.head = nn.Embedding(11, 4, padding_idx=0), nn.LayerNorm(4), nn.Linear(4, 3)
-
-    def forward(self, tokens):
-        h = self.norm(self.embed(tokens)).mean(1)
-        return self.head(h - h.mean(0))
-
-
-@pytest.mark.filterwarnings("ignore:There is a performance drop")
-@pytest.mark.parametrize("name", list(ALL_MODELS))
-def test_norms_take_the_fast_path_where_the_trace_covers_every_parameter(recipes, name):
-    model, x, _ = ALL_MODELS[name]
-    _, report = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, report=True)
-    assert report.path == NORMS_PATH.get(name, "fast"), report.reason
-
-
 def test_norms_fast_path_padding_rows_and_a_model_that_mixes_examples(recipes):
     norms = recipes["per_sample_grad_norms"]
     tokens = REAL["transformer"][1]  # padding id 0, repeated ids within a sequence
@@ -476,7 +407,9 @@ def test_norms_fast_path_padding_rows_and_a_model_that_mixes_examples(recipes):
     assert report.path == "fast" and "0.weight" in report.ghost and close(found, loop_norms(padded, tokens, TARGETS))
     padded[0].padding_idx = None  # the padding row's share counted: the norms must differ
     assert not torch.allclose(norms(padded, F.cross_entropy, tokens, TARGETS), found)
-    mixer = MixesExamples().double()
+    # the batched pass subtracts the batch mean, so it mixes examples: the fast path must not be taken
+    mixer = Model(lambda m, tokens: m.head((lambda h: h - h.mean(0))(m.norm(m.embed(tokens)).mean(1))),
+                  embed=nn.Embedding(11, 4, padding_idx=0), norm=nn.LayerNorm(4), head=nn.Linear(4, 3)).double()
     found, report = norms(mixer, F.cross_entropy, tokens, TARGETS, report=True)
     assert report.path == "vmap" and "batch dimension" in report.reason and close(found, loop_norms(mixer, tokens, TARGETS))
     with pytest.raises(ValueError, match="fast path does not apply"):
@@ -485,26 +418,23 @@ def test_norms_fast_path_padding_rows_and_a_model_that_mixes_examples(recipes):
 
 def test_norms_edge_cases_and_errors(recipes):
     model, x = ZOO["linear"]
-    norms = recipes["per_sample_grad_norms"]
-    assert close(norms(model, F.cross_entropy, x[:1], TARGETS[:1]), loop_norms(model, x[:1], TARGETS[:1]))
-    with pytest.raises(ValueError, match="one row per example"):
-        norms(model, F.cross_entropy, x, TARGETS[:3])
-    with pytest.raises(ValueError, match="chunk_size"):
-        norms(model, F.cross_entropy, x, TARGETS, chunk_size=0)
-    with pytest.raises(ValueError, match="scalar"):
-        norms(model, lambda p, t: F.cross_entropy(p, t, reduction="none").expand(2), x, TARGETS)
-    with pytest.raises(ValueError, match="one norm per example"):
-        recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, torch.ones(3, dtype=torch.float64), 1.0, 0.0)
-    with pytest.raises(ValueError, match="max_norm"):
-        recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, torch.ones(5, dtype=torch.float64), 0.0, 0.0)
+    norms, step, ce = recipes["per_sample_grad_norms"], recipes["clipped_noisy_gradient"], F.cross_entropy
+    assert close(norms(model, ce, x[:1], TARGETS[:1]), loop_norms(model, x[:1], TARGETS[:1]))
+    calls = [(lambda: norms(model, ce, x, TARGETS[:3]), "one row per example"),
+             (lambda: norms(model, ce, x, TARGETS, chunk_size=0), "chunk_size"),
+             (lambda: norms(model, lambda p, t: ce(p, t, reduction="none").expand(2), x, TARGETS), "scalar"),
+             (lambda: step(model, ce, x, TARGETS, torch.ones(3, dtype=torch.float64), 1.0, 0.0), "one norm per example"),
+             (lambda: step(model, ce, x, TARGETS, torch.ones(5, dtype=torch.float64), 0.0, 0.0), "max_norm")]
+    for call, message in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
 
 
 def ensemble_members(name, count=3):
     """`count` copies of a zoo model whose floating-point parameters differ."""
-    model, _ = ZOO[name]
-    members = [copy.deepcopy(model) for _ in range(count)]
-    for k, member in enumerate(members):
-        with torch.no_grad():
+    members = [copy.deepcopy(ZOO[name][0]) for _ in range(count)]
+    with torch.no_grad():
+        for k, member in enumerate(members):
             for p in member.parameters():
                 p.add_(0.1 * k)
     return members

@@ -3,7 +3,7 @@ import shutil
 
 import jupytext
 
-from bookcheck import BOOK, ROOT, ci_script
+from bookcheck import BOOK, ci_script
 
 build = ci_script("build_shared")
 
@@ -24,10 +24,7 @@ def test_every_copy_matches_its_source_is_folded_and_every_shared_file_is_used()
 
 def test_drift_is_detected(tmp_path):
     """Edit one copy in a scratch book: the check names exactly that cell, and sync repairs it."""
-    (tmp_path / "book").mkdir()
-    shutil.copytree(BOOK / "_shared", tmp_path / "book" / "_shared")
-    for path in list(BOOK.glob("*.md")) + list(BOOK.glob("*.ipynb")):
-        shutil.copy(path, tmp_path / "book" / path.name)
+    shutil.copytree(BOOK, tmp_path / "book")
     target = next(p for p in sorted((tmp_path / "book").glob("*.md"))
                   if any(build.shared_name(c) for c in jupytext.read(p).cells))
     notebook = jupytext.read(target)
