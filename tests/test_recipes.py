@@ -275,6 +275,7 @@ def test_only_known_vmap_gaps_are_recognised(recipes):
     assert known(RuntimeError("You tried to vmap over _NoopSaveInputs, but it does not have vmap support."), plain)
     assert known(RuntimeError("Batching rule not implemented for aten::gru.input. We could not generate a fallback."), plain)
     assert known(RuntimeError("Batching rule not implemented for aten::x.out; the fallback path doesn't work on out= or view ops."), plain)
+    assert known(RuntimeError("A BatchedTensor escaped from inside a function being vmapped; this is not supported"), plain)
     assert known(RuntimeError("output with shape [1, 6] doesn't match the broadcast shape [5, 1, 6]"), gru)
     assert known(RuntimeError("output with shape [1, 6] doesn't match the broadcast shape [5, 1, 6]"), plain) is None
     assert known(RuntimeError("vmap: It looks like you're calling .item() on a Tensor"), gru) is None

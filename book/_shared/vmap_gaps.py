@@ -12,6 +12,8 @@ def _unsupported_by_vmap(error, model):
         return "torch.func does not support saved tensor hooks (torch.utils.checkpoint, activation offloading)"
     if message.startswith("You tried to vmap over _NoopSaveInputs"):  # torch 2.11's words for the same gap
         return "torch.utils.checkpoint's internal autograd Function has no vmap rule"
+    if "escaped from inside a function being vmapped" in message:  # a checkpoint recomputing after vmap returned
+        return "a tensor made under vmap was used after vmap returned (torch.utils.checkpoint recomputes in the backward pass)"
     if message.startswith("Batching rule not implemented for"):  # "We could not generate a fallback", or out=/view ops
         return message.split(".")[0].split(";")[0]
     recurrent = [name for name, m in model.named_modules() if isinstance(m, nn.RNNBase)]
