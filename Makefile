@@ -103,14 +103,14 @@ sync: $(READY)
 # Stored outputs come from the pinned release only (they are what CI compares against).
 outputs: $(READY)
 	@test "$(TORCH)" = "$(TORCH_PIN)" || { echo "make outputs: stored outputs are made with the pinned torch $(TORCH_PIN) (constraints.txt), not TORCH=$(TORCH)"; exit 1; }
-	$(PY) .ci/execute_notebooks.py $(NB)
+	$(PY) -m scripts.execute_notebooks $(NB)
 
 recipe-box: $(READY)
-	$(PY) .ci/build_recipe_box.py
-	$(PY) .ci/execute_notebooks.py book/08_recipe_box.md
+	$(PY) -m scripts.build_recipe_box
+	$(PY) -m scripts.execute_notebooks book/08_recipe_box.md
 
 shared: $(READY)
-	$(PY) .ci/build_shared.py
+	$(PY) -m scripts.build_shared
 
 clean:
 	rm -rf _build

@@ -4,7 +4,6 @@ The tests in this folder run them on the real book and on deliberately broken co
 check is shown to catch what it guards.
 """
 import ast
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -12,20 +11,14 @@ from pathlib import Path
 import nbformat
 import yaml
 
+from scripts.execute_notebooks import execution_problems  # noqa: F401  (tests import it from here too)
+
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
 
 
 def notebooks(book: Path = BOOK) -> list[Path]:
     return sorted(book.glob("*.ipynb"))
-
-
-def ci_script(name: str):
-    """A script of .ci/ (build_recipe_box, build_shared, read_time), loaded as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / ".ci" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # --- table of contents ---------------------------------------------------------------------
@@ -36,41 +29,11 @@ def toc_entries(toc_path: Path) -> list[str]:
     return [toc["root"]] + [chapter["file"] for part in toc["parts"] for chapter in part["chapters"]]
 
 
-# --- executed notebooks --------------------------------------------------------------------
-
-def execution_problems(notebook: Path | nbformat.NotebookNode, name: str = "") -> list[str]:
-    """A stored notebook must be fully executed, top to bottom, once, with no stray error or stderr.
-
-    `notebook` is a path, or a notebook just executed (.ci/execute_notebooks.py checks it before
-    writing it), then named by `name` in the messages."""
-    nb = notebook if isinstance(notebook, nbformat.NotebookNode) else nbformat.read(notebook, as_version=4)
-    name = name or Path(notebook).name
-    problems, expected = [], 1
-    for index, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        tags = cell.metadata.get("tags", [])
-        if cell.execution_count != expected:
-            problems.append(f"{name} cell {index}: execution count {cell.execution_count}, expected {expected} "
-                            "(run the whole notebook in order: `make outputs`)")
-        expected += 1
-        errors = [o for o in cell.outputs if o.output_type == "error"]
-        if errors and "raises-exception" not in tags:
-            problems.append(f"{name} cell {index}: stored error {errors[0].ename} in a cell not tagged raises-exception "
-                            f"({errors[0].evalue[:200]})")
-        if "raises-exception" in tags and not errors:
-            problems.append(f"{name} cell {index}: tagged raises-exception but has no stored error")
-        stderr = "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == "stderr")
-        if stderr:
-            problems.append(f"{name} cell {index}: stored output on stderr: {stderr[:300]!r}")
-    return problems
-
-
 # --- self-contained notebooks ----------------------------------------------------------------
 
 def local_import_problems(nb_path: Path) -> list[str]:
     """Imports of a module or package that lives in this repository (Colab opens one file), or relative ones."""
-    local = {p.stem for folder in ("tests", ".ci", "book") for p in (ROOT / folder).rglob("*.py")} | {
+    local = {p.stem for folder in ("tests", "scripts", "book") for p in (ROOT / folder).rglob("*.py")} | {
         p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")} - set(sys.stdlib_module_names)
     problems = []
     for index, cell in enumerate(nbformat.read(nb_path, as_version=4).cells):

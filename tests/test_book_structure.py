@@ -10,7 +10,8 @@ import sys
 import nbformat
 import pytest
 
-from bookcheck import BOOK, ROOT, ci_script, execution_problems, figure_problems, local_import_problems, notebooks
+from bookcheck import BOOK, ROOT, execution_problems, figure_problems, local_import_problems, notebooks
+from scripts import read_time
 
 PAGES = sorted(BOOK.glob("*.md"))
 
@@ -129,8 +130,6 @@ def test_figure_check_catches_numbers_alone_and_an_unlabelled_plot(tmp_path):
 
 
 # --- every chapter's main path reads in at most 30 minutes --------------------------------------
-
-read_time = ci_script("read_time")
 
 CHAPTERS = [p for p in PAGES if p.name[:2] not in {"00", "08", "09"}]  # not the front matter, the box or the glossary
 

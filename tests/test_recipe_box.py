@@ -4,13 +4,12 @@ import shutil
 import jupytext
 import pytest
 
-from bookcheck import BOOK, ROOT, ci_script
-
-build = ci_script("build_recipe_box")
+from bookcheck import BOOK, ROOT
+from scripts import build_recipe_box as build
 
 
 def test_box_matches_the_chapters_and_has_every_recipe_once():
-    assert build.BOX.read_text() == build.render(), "run: python .ci/build_recipe_box.py, then make outputs NB=book/08_recipe_box.md"
+    assert build.BOX.read_text() == build.render(), "run: python -m scripts.build_recipe_box, then make outputs NB=book/08_recipe_box.md"
     box_sources = [c.source.strip() for c in jupytext.read(build.BOX).cells if "recipe" in c.metadata.get("tags", [])]
     assert box_sources == [source for _, _, source in build.recipe_cells()] and len(box_sources) >= 9
 

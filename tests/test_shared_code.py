@@ -1,16 +1,15 @@
-"""Code that several notebooks need lives once in book/_shared/ and is copied by .ci/build_shared.py."""
+"""Code that several notebooks need lives once in book/_shared/ and is copied by scripts/build_shared.py."""
 import shutil
 
 import jupytext
 
-from bookcheck import BOOK, ci_script
-
-build = ci_script("build_shared")
+from bookcheck import BOOK
+from scripts import build_shared as build
 
 
 def test_every_copy_matches_its_source_is_folded_and_every_shared_file_is_used():
     stale = build.sync(write=False)
-    assert not stale, "run: python .ci/build_shared.py; stale copies: " + ", ".join(stale)
+    assert not stale, "run: python -m scripts.build_shared; stale copies: " + ", ".join(stale)
     used = set()
     for path in sorted(BOOK.glob("*.md")):
         for cell in jupytext.read(path).cells:

@@ -1,6 +1,6 @@
 """Generate book/08_recipe_box.md from every cell tagged `recipe` in the chapters, in _toc.yml order.
 
-    python .ci/build_recipe_box.py           # write book/08_recipe_box.md
+    python -m scripts.build_recipe_box           # write book/08_recipe_box.md
 
 The box is never edited by hand: tests/test_recipe_box.py fails when a chapter's recipe and the box
 differ. After regenerating, store its outputs with `make outputs NB=book/08_recipe_box.md`.
@@ -26,8 +26,7 @@ from pathlib import Path
 import jupytext
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import build_shared  # noqa: E402  (the shared basics, from the real book even when ROOT is pointed at a scratch copy)
+from scripts import build_shared  # the shared basics, from the real book even when ROOT is pointed at a scratch copy
 
 ROOT = Path(__file__).resolve().parents[1]
 BOX = ROOT / "book" / "08_recipe_box.md"
@@ -50,7 +49,7 @@ INTRO = '''
 # The recipe box
 
 Every reusable function the book teaches, collected from the chapters' cells tagged `recipe` by
-`.ci/build_recipe_box.py` (never edited by hand: a test fails if a chapter and this page drift
+`scripts/build_recipe_box.py` (never edited by hand: a test fails if a chapter and this page drift
 apart). Run this page, or copy the cells you need: the table below says which cells each recipe
 needs. Each page's recipes are followed by a short example on a tiny model, checked against a plain
 computation; `tests/test_recipes.py` tests them further, on models beyond their chapters' examples.
@@ -266,7 +265,7 @@ def plan(found):
     pages = list(dict.fromkeys(cell.page for cell in cells))
     missing_examples = [page for page in pages if page not in USAGE]
     if missing_examples:
-        raise BoxError(f"no usage example for the recipes of {missing_examples}: add one to USAGE in .ci/build_recipe_box.py")
+        raise BoxError(f"no usage example for the recipes of {missing_examples}: add one to USAGE in scripts/build_recipe_box.py")
     examples = {page: analyse(page, USAGE[page]) for page in pages}
     idiom = analyse("idiom", IDIOM)
     called = set().union(*(e.free for e in examples.values()))
@@ -274,7 +273,7 @@ def plan(found):
     classes = {n.name for cell in cells for n in ast.parse(cell.source).body if isinstance(n, ast.ClassDef)}
     uncalled = [name for name in public if name not in called and name not in classes]
     if uncalled:
-        raise BoxError(f"recipes with no usage example: {uncalled}; call them in USAGE in .ci/build_recipe_box.py")
+        raise BoxError(f"recipes with no usage example: {uncalled}; call them in USAGE in scripts/build_recipe_box.py")
 
     # The setup imports every name used before a recipe cell of its own page (or an earlier page) imports it.
     first_import = {}

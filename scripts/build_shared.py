@@ -1,6 +1,6 @@
 """Copy the book's shared notebook code from book/_shared/<name>.py into every cell tagged `shared-<name>`.
 
-    python .ci/build_shared.py     # rewrite those cells in book/*.md and book/*.ipynb (outputs kept)
+    python -m scripts.build_shared     # rewrite those cells in book/*.md and book/*.ipynb (outputs kept)
 
 Notebooks stay self-contained (Colab opens one file), so code several chapters need is copied into
 each of them; this script is the only thing that writes those copies, and tests/test_shared_code.py
@@ -23,7 +23,7 @@ def shared_sources(root: Path = ROOT) -> dict[str, str]:
 
 
 def cell_text(name: str, source: str) -> str:
-    header = f"# From book/_shared/{name}.py by .ci/build_shared.py: edit that file, not this cell.\n"
+    header = f"# From book/_shared/{name}.py by scripts/build_shared.py: edit that file, not this cell.\n"
     return header + source.rstrip("\n")
 
 

@@ -1,15 +1,15 @@
 """Regenerate the stored outputs of the book's notebooks from their MyST twins.
 
-    python .ci/execute_notebooks.py                     # every book/*.md
-    python .ci/execute_notebooks.py book/01_vmap_basics.md
+    python -m scripts.execute_notebooks                     # every book/*.md
+    python -m scripts.execute_notebooks book/01_vmap_basics.md
 
 For each page, the cells of book/NN_name.md are executed top to bottom in a fresh kernel of
 this Python environment (working directory book/), and book/NN_name.ipynb is replaced by the
 result. The notebook is written to a temporary file first and moved into place only when
 the run succeeded, so a failed run never leaves a half-written notebook behind.
 
-A run fails (and writes nothing) when the result breaks what tests/bookcheck.py's
-`execution_problems` requires of a stored notebook: a cell that raises without the
+A run fails (and writes nothing) when the result breaks what `execution_problems` (below;
+tests/ runs it on the stored notebooks too) requires of a stored notebook: a cell that raises without the
 `raises-exception` tag, a cell tagged `raises-exception` that does not raise, or anything on
 stderr. The notebook's metadata follows the .md's, as `jupytext --sync` (the pre-commit hook)
 would write it.
@@ -29,8 +29,34 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
-sys.path.insert(0, str(ROOT / "tests"))
-from bookcheck import execution_problems  # noqa: E402  (the check tests/ runs on stored notebooks)
+
+
+def execution_problems(notebook: Path | nbformat.NotebookNode, name: str = "") -> list[str]:
+    """A stored notebook must be fully executed, top to bottom, once, with no stray error or stderr.
+
+    `notebook` is a path, or a notebook just executed (`execute` checks it before
+    writing it), then named by `name` in the messages."""
+    nb = notebook if isinstance(notebook, nbformat.NotebookNode) else nbformat.read(notebook, as_version=4)
+    name = name or Path(notebook).name
+    problems, expected = [], 1
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        tags = cell.metadata.get("tags", [])
+        if cell.execution_count != expected:
+            problems.append(f"{name} cell {index}: execution count {cell.execution_count}, expected {expected} "
+                            "(run the whole notebook in order: `make outputs`)")
+        expected += 1
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        if errors and "raises-exception" not in tags:
+            problems.append(f"{name} cell {index}: stored error {errors[0].ename} in a cell not tagged raises-exception "
+                            f"({errors[0].evalue[:200]})")
+        if "raises-exception" in tags and not errors:
+            problems.append(f"{name} cell {index}: tagged raises-exception but has no stored error")
+        stderr = "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == "stderr")
+        if stderr:
+            problems.append(f"{name} cell {index}: stored output on stderr: {stderr[:300]!r}")
+    return problems
 
 
 def execute(md_path: Path) -> float:

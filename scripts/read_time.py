@@ -1,6 +1,6 @@
 """Estimate each chapter's main-path reading time: prose at 200 words a minute plus visible code at 15 lines a minute.
 
-    python .ci/read_time.py [book/NN_name.md ...]     # default: every page in book/
+    python -m scripts.read_time [book/NN_name.md ...]     # default: every page in book/
 
 Folded material is not on the main path and is not counted: code cells tagged hide-input, hide-cell,
 remove-input or remove-cell, and Markdown inside a dropdown (a {dropdown} directive, or an admonition
