@@ -1,6 +1,6 @@
 # The two commands of the README, and the ones that regenerate stored outputs. Each sets itself up
-# on a fresh machine, in a virtual environment, with the versions of constraints.txt (the one pin
-# file, torch included).
+# on a fresh machine, in a virtual environment: torch at the release of constraints.txt, then every
+# other package at the exact release of requirements.lock (transitive dependencies included).
 #
 #   make site                                  build the static site into _build/html (site packages only: no torch)
 #   make test                                  the test suite: the pre-commit hooks, then pytest --nbval tests book
@@ -11,11 +11,14 @@
 #   make outputs [NB=book/01_vmap_basics.md]   re-execute notebooks and store their outputs
 #   make recipe-box                            regenerate book/08_recipe_box.md from the chapters' recipe cells
 #   make shared                                copy book/_shared/*.py into the notebook cells tagged shared-<name>
+#   make lock                                  regenerate requirements.lock from requirements*.txt and constraints.txt
 #
-# Another torch release, in its own environment (.venv-torch-<release>), by one variable:
+# Another torch release, in its own environment (.venv-torch-<release>), by one variable (the other
+# packages stay at the lock's releases):
 #
 #   make test TORCH=2.14.1                     the whole suite under torch 2.14.1
-#   make nbval TORCH=newest                    the notebooks under the newest torch pip finds
+#   make nbval TORCH=newest                    the notebooks under the newest torch pip finds (the
+#                                              scheduled workflow newest-torch.yml; never CI on a push)
 #   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu   torch from another index (here: the CPU build)
 
 # The pinned torch, read from constraints.txt: the release the stored outputs were made with.
@@ -35,8 +38,9 @@ PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip install --quiet
 READY      := $(VENV)/.installed-torch-$(TORCH)
 SITE_READY := $(VENV)/.installed-site
-# constraints.txt less its torch line: torch is installed first, on its own, and then held.
-OTHER_PINS := $(VENV)/constraints-but-torch.txt
+LOCK       := requirements.lock
+# pip itself is held at the lock's release too.
+PIP_PIN    := $(shell sed -n 's/^pip==//p' $(LOCK))
 
 # TORCH=newest asks pip for the newest release it can install here (re-checked on every run);
 # anything else is an exact release.
@@ -50,27 +54,45 @@ TORCH_UPGRADE :=
 READY_DEPS    :=
 endif
 
-.PHONY: env site test nbval lint sync outputs recipe-box shared clean FORCE
+.PHONY: env site test nbval lint sync outputs recipe-box shared lock clean FORCE
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "pip==$(PIP_PIN)"
 
-# torch first (so that TORCH_INDEX applies to it alone), then the rest with torch held to the
-# release installed, so that nothing in requirements.txt can move it; then BackPACK and curvlinops
-# without their dependencies (requirements-nodeps.txt: BackPACK's torchvision would replace torch).
-$(READY): requirements.txt requirements-site.txt requirements-nodeps.txt constraints.txt $(READY_DEPS) | $(VENV)/bin/python
-	grep -v '^torch==' constraints.txt > $(OTHER_PINS)
+# torch first, with what its build needs on this platform (so that TORCH_INDEX applies to it alone);
+# then every other package at the lock's exact release, without dependency resolution (the lock
+# is complete: BackPACK's torchvision, which would replace torch, is not in it); then a check that
+# the environment holds exactly the lock.
+$(READY): $(LOCK) constraints.txt $(READY_DEPS) | $(VENV)/bin/python
 	$(PIP) $(TORCH_UPGRADE) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(PIP) -r requirements.txt -c $(OTHER_PINS) "torch==$$($(PY) -c 'import importlib.metadata as m; print(m.version("torch"))')"
-	$(PIP) --no-deps -r requirements-nodeps.txt -c $(OTHER_PINS)
+	$(PIP) --no-deps -r $(LOCK)
+	$(PY) -m scripts.lock check
 	rm -f $(VENV)/.installed-torch-* $(VENV)/.requirements-installed
 	touch $(READY) $(SITE_READY)
 
-# The site is built from the stored outputs alone: it needs requirements-site.txt, not torch.
-$(SITE_READY): requirements-site.txt constraints.txt | $(VENV)/bin/python
-	$(PIP) -r requirements-site.txt -c constraints.txt
+# The site is built from the stored outputs alone: it needs requirements-site.txt, not torch, each
+# package at the lock's release (the lock as constraints; the check refuses anything unlocked).
+$(SITE_READY): requirements-site.txt $(LOCK) | $(VENV)/bin/python
+	$(PIP) -r requirements-site.txt -c $(LOCK)
+	$(PY) -m scripts.lock check --partial
 	touch $(SITE_READY)
+
+# The lock, made in a scratch environment: torch at constraints.txt's release, requirements.txt with
+# constraints.txt's direct pins (pip resolves the rest), BackPACK and curvlinops without their
+# dependencies (requirements-nodeps.txt), then a freeze of all of it.
+LOCK_VENV := .venv-lock
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --quiet --upgrade pip
+	grep -v '^torch==' constraints.txt > $(LOCK_VENV)/constraints-but-torch.txt
+	$(LOCK_VENV)/bin/python -m pip install --quiet "torch==$(TORCH_PIN)"
+	$(LOCK_VENV)/bin/python -m pip install --quiet -r requirements.txt -c $(LOCK_VENV)/constraints-but-torch.txt \
+		"torch==$$($(LOCK_VENV)/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))')"
+	$(LOCK_VENV)/bin/python -m pip install --quiet --no-deps -r requirements-nodeps.txt -c $(LOCK_VENV)/constraints-but-torch.txt
+	$(LOCK_VENV)/bin/python -m scripts.lock write
+	rm -rf $(LOCK_VENV)
 
 # Set up only, and say what is installed.
 env: $(READY)

@@ -55,3 +55,10 @@ def test_page_shows_the_stored_outputs(site, nb_path):
                 first_line = output.text.strip().splitlines()[0]
                 escaped = first_line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
                 assert escaped.replace("'", "&#39;") in page or escaped in page, first_line
+
+
+def test_every_page_names_the_licences(site):
+    """The footer of every page names the text's licence and the code's (_config.yml, extra_footer)."""
+    pages = sorted((site / "book").glob("*.html"))
+    assert len(pages) == len(notebooks())
+    assert [p.name for p in pages if not ("CC BY 4.0" in (text := p.read_text()) and "BSD 3-Clause" in text)] == []
