@@ -6,11 +6,11 @@
 #   make test                                  the test suite: the pre-commit hooks, then pytest --nbval tests book
 #   make env                                   only set up the environment, and say which torch it has
 #   make nbval                                 only the notebooks: pytest --nbval book
-#   make lint                                  only the pre-commit hooks (jupytext --sync of every pair), on all files
+#   make lint                                  only the pre-commit hooks (jupytext --sync of every pair, ruff, mypy), on all files
 #   make sync                                  bring every .md/.ipynb pair in sync (the hook, run until it passes)
 #   make outputs [NB=book/01_vmap_basics.md]   re-execute notebooks and store their outputs
 #   make recipe-box                            regenerate book/08_recipe_box.md from the chapters' recipe cells
-#   make shared                                copy book/_shared/*.py into the notebook cells tagged shared-<name>
+#   make shared                                copy book/_shared/*.py and two package modules into the cells tagged shared-<name>
 #
 # Another torch release, in its own environment (.venv-torch-<release>), by one variable:
 #
@@ -58,12 +58,15 @@ $(VENV)/bin/python:
 
 # torch first (so that TORCH_INDEX applies to it alone), then the rest with torch held to the
 # release installed, so that nothing in requirements.txt can move it; then BackPACK and curvlinops
-# without their dependencies (requirements-nodeps.txt: BackPACK's torchvision would replace torch).
-$(READY): requirements.txt requirements-site.txt requirements-nodeps.txt constraints.txt $(READY_DEPS) | $(VENV)/bin/python
+# without their dependencies (requirements-nodeps.txt: BackPACK's torchvision would replace torch);
+# last, this repository's package (src/torch_func_recipes, pyproject.toml), editable and without
+# dependencies (its one dependency, torch, is installed above), so the tests import the checkout's code.
+$(READY): requirements.txt requirements-site.txt requirements-nodeps.txt constraints.txt pyproject.toml $(READY_DEPS) | $(VENV)/bin/python
 	grep -v '^torch==' constraints.txt > $(OTHER_PINS)
 	$(PIP) $(TORCH_UPGRADE) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PIP) -r requirements.txt -c $(OTHER_PINS) "torch==$$($(PY) -c 'import importlib.metadata as m; print(m.version("torch"))')"
 	$(PIP) --no-deps -r requirements-nodeps.txt -c $(OTHER_PINS)
+	$(PIP) --no-deps -e .
 	rm -f $(VENV)/.installed-torch-* $(VENV)/.requirements-installed
 	touch $(READY) $(SITE_READY)
 
@@ -91,7 +94,7 @@ test: env
 nbval: env
 	$(PY) -m pytest --nbval book
 
-# The hooks of .pre-commit-config.yaml run with this environment's tools (jupytext) on the PATH.
+# The hooks of .pre-commit-config.yaml run with this environment's tools (jupytext, ruff, mypy) on the PATH.
 lint: $(READY)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/pre-commit run --all-files --show-diff-on-failure
 
