@@ -6,11 +6,11 @@
 #   make test                                  the test suite: the pre-commit hooks, then pytest --nbval tests book
 #   make env                                   only set up the environment, and say which torch it has
 #   make nbval                                 only the notebooks: pytest --nbval book
-#   make lint                                  only the pre-commit hooks (jupytext --sync of every pair), on all files
+#   make lint                                  only the pre-commit hooks (jupytext --sync of every pair, ruff, mypy), on all files
 #   make sync                                  bring every .md/.ipynb pair in sync (the hook, run until it passes)
 #   make outputs [NB=book/01_vmap_basics.md]   re-execute notebooks and store their outputs
 #   make recipe-box                            regenerate book/08_recipe_box.md from the chapters' recipe cells
-#   make shared                                copy book/_shared/*.py into the notebook cells tagged shared-<name>
+#   make shared                                copy book/_shared/*.py and two package modules into the cells tagged shared-<name>
 #   make lock                                  regenerate requirements.lock from requirements*.txt and constraints.txt
 #
 # Another torch release, in its own environment (.venv-torch-<release>), by one variable (the other
@@ -63,10 +63,13 @@ $(VENV)/bin/python:
 # torch first, with what its build needs on this platform (so that TORCH_INDEX applies to it alone);
 # then every other package at the lock's exact release, without dependency resolution (the lock
 # is complete: BackPACK's torchvision, which would replace torch, is not in it); then a check that
-# the environment holds exactly the lock.
-$(READY): $(LOCK) constraints.txt $(READY_DEPS) | $(VENV)/bin/python
+# the environment holds exactly the lock. Last, this repository's package (src/torch_func_recipes,
+# pyproject.toml), editable, without dependencies (torch is installed above) and built with the
+# lock's setuptools (no build isolation, which would fetch the newest), so tests import the checkout.
+$(READY): $(LOCK) constraints.txt pyproject.toml $(READY_DEPS) | $(VENV)/bin/python
 	$(PIP) $(TORCH_UPGRADE) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PIP) --no-deps -r $(LOCK)
+	$(PIP) --no-deps --no-build-isolation -e .
 	$(PY) -m scripts.lock check
 	rm -f $(VENV)/.installed-torch-* $(VENV)/.requirements-installed
 	touch $(READY) $(SITE_READY)
@@ -113,7 +116,7 @@ test: env
 nbval: env
 	$(PY) -m pytest --nbval book
 
-# The hooks of .pre-commit-config.yaml run with this environment's tools (jupytext) on the PATH.
+# The hooks of .pre-commit-config.yaml run with this environment's tools (jupytext, ruff, mypy) on the PATH.
 lint: $(READY)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/pre-commit run --all-files --show-diff-on-failure
 

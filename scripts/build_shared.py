@@ -1,14 +1,27 @@
-"""Copy the book's shared notebook code from book/_shared/<name>.py into every cell tagged `shared-<name>`.
+"""Copy the book's shared notebook code into every cell tagged `shared-<name>`.
 
     python -m scripts.build_shared     # rewrite those cells in book/*.md and book/*.ipynb (outputs kept)
 
 Notebooks stay self-contained (Colab opens one file), so code several chapters need is copied into
 each of them; this script is the only thing that writes those copies, and tests/test_shared_code.py
-fails when a copy drifts. Edit book/_shared/<name>.py, run this script, then re-execute the notebooks
-that use it (make outputs NB=...).
+fails when a copy drifts. A copy comes from one of two places:
+
+- book/_shared/<name>.py, notebook-only helpers (basics, measure, ...), copied whole;
+- a module of the package, src/torch_func_recipes/ (PACKAGE_MODULES below: shared-batch_trace is
+  _trace.py, shared-vmap_gaps is _vmap_gaps.py), which is their one source. A module is not a
+  notebook cell as it stands, so the copy leaves out two things: the module's docstring (the cell's
+  header comment says where the code comes from instead) and its relative imports (`from ._trace
+  import PathReport`), which mean nothing outside the package; a notebook gets those names from the
+  shared cell that defines them, which comes earlier in every page that uses them. The absolute
+  imports are kept: they rebind torch, nn, F and the rest to the objects a notebook already has, so
+  they are harmless there, and they make the cell runnable on its own.
+
+Edit the source file, run this script, then re-execute the notebooks that use it (make outputs NB=...).
 """
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 
 import jupytext
@@ -16,14 +29,43 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 TAG = "shared-"
+# The package the shared cells below come from: the real one, even when `root` is a scratch copy of the book.
+PACKAGE = ROOT / "src" / "torch_func_recipes"
+PACKAGE_MODULES = {"batch_trace": "_trace.py", "vmap_gaps": "_vmap_gaps.py"}
 
 
-def shared_sources(root: Path = ROOT) -> dict[str, str]:
-    return {path.stem: path.read_text() for path in sorted((root / "book" / "_shared").glob("*.py"))}
+def as_cell(module_source: str) -> str:
+    """A package module as notebook code: without its docstring and its relative imports (see the docstring above)."""
+    tree = ast.parse(module_source)
+    lines = module_source.splitlines()
+    dropped = set()
+    for index, node in enumerate(tree.body):
+        docstring = index == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
+            and isinstance(node.value.value, str)
+        relative = isinstance(node, ast.ImportFrom) and node.level > 0
+        if docstring or relative:
+            dropped.update(range(node.lineno - 1, node.end_lineno or node.lineno))
+    kept = "\n".join(line for number, line in enumerate(lines) if number not in dropped)
+    return re.sub(r"\n{4,}", "\n\n\n", kept).strip("\n") + "\n"  # at most two blank lines where lines went
+
+
+def source_path(name: str, root: Path = ROOT) -> str:
+    """Where shared-<name> comes from, relative to the repository root."""
+    return f"src/torch_func_recipes/{PACKAGE_MODULES[name]}" if name in PACKAGE_MODULES else f"book/_shared/{name}.py"
+
+
+def shared_sources(root: Path = ROOT, package: Path = PACKAGE) -> dict[str, str]:
+    """{name: the code of the cells tagged shared-<name>}, from book/_shared/ under root and from the package."""
+    sources = {path.stem: path.read_text() for path in sorted((root / "book" / "_shared").glob("*.py"))}
+    for name, module in PACKAGE_MODULES.items():
+        if name in sources:
+            raise SystemExit(f"shared-{name} has two sources: book/_shared/{name}.py and the package's {module}")
+        sources[name] = as_cell((package / module).read_text())
+    return dict(sorted(sources.items()))
 
 
 def cell_text(name: str, source: str) -> str:
-    header = f"# From book/_shared/{name}.py by scripts/build_shared.py: edit that file, not this cell.\n"
+    header = f"# From {source_path(name)} by scripts/build_shared.py: edit that file, not this cell.\n"
     return header + source.rstrip("\n")
 
 
@@ -52,7 +94,7 @@ def sync(root: Path = ROOT, write: bool = True) -> list[str]:
                 continue
             if name not in sources:
                 raise SystemExit(f"{path.relative_to(root)}: cell {index} is tagged {TAG}{name}, "
-                                 f"but book/_shared/{name}.py does not exist")
+                                 f"but book/_shared/{name}.py does not exist and the package has no module for it")
             wanted = cell_text(name, sources[name])
             if cell.source != wanted:
                 stale.append(f"{path.relative_to(root)}: cell {index} ({TAG}{name})")

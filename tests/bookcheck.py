@@ -32,9 +32,11 @@ def toc_entries(toc_path: Path) -> list[str]:
 # --- self-contained notebooks ----------------------------------------------------------------
 
 def local_import_problems(nb_path: Path) -> list[str]:
-    """Imports of a module or package that lives in this repository (Colab opens one file), or relative ones."""
-    local = {p.stem for folder in ("tests", "scripts", "book") for p in (ROOT / folder).rglob("*.py")} | {
-        p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")} - set(sys.stdlib_module_names)
+    """Imports of a module or package that lives in this repository (Colab opens one file), or relative ones;
+    the book's own package, torch_func_recipes, included (Colab does not have it)."""
+    local = {p.stem for folder in ("tests", "scripts", "book", "src") for p in (ROOT / folder).rglob("*.py")} | {
+        p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")} | {
+        p.name for p in (ROOT / "src").iterdir() if p.is_dir()} - set(sys.stdlib_module_names)
     problems = []
     for index, cell in enumerate(nbformat.read(nb_path, as_version=4).cells):
         if cell.cell_type != "code":

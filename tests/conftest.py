@@ -1,5 +1,6 @@
-"""Fixtures shared by the site tests: the real site, and a site built from deliberately broken
-sources, each built once per test session."""
+"""Fixtures shared by the tests: the recipes, from the package; the real site, and a site built from
+deliberately broken sources, each built once per test session."""
+import importlib
 import os
 import shutil
 import subprocess
@@ -24,6 +25,24 @@ def build_site(source: Path, out: Path, strict: bool = True) -> Path:
     assert result.returncode == 0, f"the site build failed:\n{log[-5000:]}"
     assert not strict or "WARNING" not in log, log
     return out / "_build" / "html"
+
+
+@pytest.fixture(scope="session")
+def recipes():
+    """Every name the package's modules define, public recipes and private helpers alike, as one dict
+    (the tests call helpers such as _BatchTrace too). A name two modules share must be one object."""
+    import pkgutil
+
+    import torch_func_recipes
+
+    namespace = {}
+    for info in pkgutil.iter_modules(torch_func_recipes.__path__):
+        module = importlib.import_module(f"torch_func_recipes.{info.name}")
+        for name, value in vars(module).items():
+            if name.startswith("__"):
+                continue
+            assert namespace.setdefault(name, value) is value, f"{name} means two things in torch_func_recipes"
+    return namespace
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from test_recipes import Model, close, loop_output_jacobian, loop_per_sample, recipes  # noqa: F401 (fixture)
+from test_recipes import Model, close, loop_output_jacobian, loop_per_sample
 
 G = torch.Generator().manual_seed(7)
 

@@ -144,7 +144,8 @@ def test_read_time_counts_what_is_visible_and_skips_what_is_folded(tmp_path):
     page = tmp_path / "page.md"
     visible = "word " * 2000
     code = "\n".join(f"x{i} = {i}" for i in range(150))
-    header = "---\njupytext:\n  text_representation:\n    extension: .md\n    format_name: myst\nkernelspec:\n  display_name: Python 3\n  language: python\n  name: python3\n---\n"
+    header = ("---\njupytext:\n  text_representation:\n    extension: .md\n    format_name: myst\n"
+              "kernelspec:\n  display_name: Python 3\n  language: python\n  name: python3\n---\n")
     page.write_text(f"{header}# Page\n\n{visible}\n\n```{{code-cell}} ipython3\n{code}\n```\n\n"
                     f":::{{dropdown}} More\n{visible * 3}\n:::\n\n"
                     f"```{{code-cell}} ipython3\n:tags: [hide-input]\n\n{code}\n```\n")

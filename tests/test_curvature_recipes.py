@@ -1,5 +1,5 @@
-"""Chapter 10's curvature recipes, as the recipe box ships them, in float64 on the CPU against dense
-matrices built by loops of autograd calls: on every model of test_recipes.py's zoo, on models whose
+"""Chapter 10's curvature recipes, as the package ships them (torch_func_recipes.curvature), in float64 on
+the CPU against dense matrices built by loops of autograd calls: on every model of test_recipes.py's zoo, on models whose
 parameters a layer-by-layer method could miscount (frozen parameters, a layer called twice, a weight
 used outside its layer, from test_adversarial_models.py), under other losses, and on their errors."""
 import pytest
@@ -8,8 +8,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import torch_func_recipes.curvature
 from test_adversarial_models import CASES, mixing
-from test_recipes import TARGETS, ZOO, Model, close, grad_rows, recipes  # noqa: F401 (fixture)
+from test_recipes import TARGETS, ZOO, Model, close, grad_rows
 
 X = torch.randn(5, 6, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
 
@@ -144,7 +145,7 @@ def test_ggn_diagonal_takes_the_general_path_exactly_where_the_layers_cannot_reb
     def refuse(*args):
         raise AssertionError("general path taken")
 
-    monkeypatch.setitem(recipes, "_ggn_diagonal_by_vmap", refuse)
+    monkeypatch.setattr(torch_func_recipes.curvature, "_ggn_diagonal_by_vmap", refuse)  # what ggn_diagonal calls
     for name in SMALL:
         model, x = MODELS[name]
         if name in GENERAL:

@@ -1,27 +1,13 @@
-"""Every recipe in the recipe box, exercised on models beyond its chapter's example (linear, 1-D and
+"""Every recipe of the package (torch_func_recipes, the `recipes` fixture of conftest.py), exercised on models beyond its chapter's example (linear, 1-D and
 2-D convolutions, an embedding, LayerNorm, GroupNorm, a small attention block, a model with buffers
 in eval mode), in float64 on the CPU, against plain loops."""
 import copy
 
-import jupytext
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-
-from bookcheck import BOOK
-
-BOX = BOOK / "08_recipe_box.md"
-
-
-@pytest.fixture(scope="module")
-def recipes():
-    namespace = {}
-    for cell in jupytext.read(BOX).cells:  # the import cell, then every recipe
-        if cell.cell_type == "code":
-            exec(compile(cell.source, str(BOX), "exec"), namespace)
-    return namespace
 
 
 def close(a, b, rtol=1e-10):
@@ -268,7 +254,7 @@ def test_users_own_error_still_raises(recipes, bug):
 
 
 def test_only_known_vmap_gaps_are_recognised(recipes):
-    """The shared matcher (book/_shared/vmap_gaps.py): vmap's known gaps give a reason, anything else None (re-raised)."""
+    """The shared matcher (torch_func_recipes/_vmap_gaps.py): vmap's known gaps give a reason, anything else None (re-raised)."""
     known = recipes["_unsupported_by_vmap"]
     gru, plain = REAL["GRU"][0], nn.Linear(2, 2)
     assert known(RuntimeError("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks. Please"), plain)
@@ -282,7 +268,7 @@ def test_only_known_vmap_gaps_are_recognised(recipes):
     assert known(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), gru) is None
 
 
-# Recurrent layers on the unroll path (book/_shared/vmap_gaps.py): every option nn.RNNBase has, through
+# Recurrent layers on the unroll path (torch_func_recipes/_vmap_gaps.py): every option nn.RNNBase has, through
 # both recipes, against the loop (which runs the fused kernel) in float64 at close()'s 1e-10. A plain
 # one-layer LSTM and GRU are REAL's, through every recipe and option above.
 class DoublingGRU(nn.GRU):

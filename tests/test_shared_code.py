@@ -1,4 +1,5 @@
-"""Code that several notebooks need lives once in book/_shared/ and is copied by scripts/build_shared.py."""
+"""Code that several notebooks need lives once, in book/_shared/ or in the package (src/torch_func_recipes/),
+and is copied by scripts/build_shared.py."""
 import shutil
 
 import jupytext
@@ -18,7 +19,7 @@ def test_every_copy_matches_its_source_is_folded_and_every_shared_file_is_used()
                 used.add(name)
                 tags = cell.metadata.get("tags", [])
                 assert "hide-input" in tags or "hide-cell" in tags, f"{path.name}: shared-{name} is not folded"
-    assert used == set(build.shared_sources()), "unused files in book/_shared/: " + str(set(build.shared_sources()) - used)
+    assert used == set(build.shared_sources()), "unused shared sources: " + str(set(build.shared_sources()) - used)
 
 
 def test_drift_is_detected(tmp_path):

@@ -1,7 +1,18 @@
+"""The fast path's trace, shared by Chapters 3, 4 and 11 (per-sample gradients, output Jacobians, norms).
+
+_BatchTrace follows the examples through every ATen operation of one forward pass and records the
+linear and convolution layers whose per-example products give the gradients; PathReport says which
+path a recipe call took. Also copied, without this docstring, into the notebook cells tagged
+`shared-batch_trace` by scripts/build_shared.py: edit it here.
+"""
+
 from typing import NamedTuple
 
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.func import vmap
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
@@ -243,7 +254,7 @@ class _BatchTrace(TorchDispatchMode):
         return [d % ndim for d in dims] or None  # an empty list reduces over every dimension
 
 
-def _losses_of_each(loss_fn, predictions, targets):
+def _losses_of_each(loss_fn, predictions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """loss_fn on every example as a batch of one, as a (B,) tensor (the recipes' loss_fn contract)."""
     try:
         losses = vmap(lambda p, t: loss_fn(p[None], t[None]))(predictions, targets)
@@ -254,7 +265,7 @@ def _losses_of_each(loss_fn, predictions, targets):
     return losses
 
 
-def _check_model(model, inputs):
+def _check_model(model: nn.Module, inputs: torch.Tensor) -> dict[str, nn.Parameter]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
@@ -270,7 +281,7 @@ def _check_model(model, inputs):
     return trainable
 
 
-def _fast_path_screen(model, trainable, kinds=()):
+def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], kinds: tuple[str, ...] = ()) -> str | None:
     """Reasons, known before running anything, why the fast path cannot apply (None if it may).
     kinds: the extra layer kinds the caller handles ("layer_norm", "embedding"); Chapters 3 and 4 handle none."""
     owners = {id(p): (module, name) for module in model.modules() for name, p in module._parameters.items() if p is not None}

@@ -1,11 +1,21 @@
+"""vmap's known gaps and what stands in for it, shared by Chapters 3, 4 and 11.
+
+_unsupported_by_vmap recognises the errors of vmap's known gaps; _recurrent_unrolled computes
+nn.RNN/GRU/LSTM layers step by step under vmap; _with_fallbacks is the one driver that picks vmap,
+the unroll or the loop. Also copied, without this docstring and the relative import, into the
+notebook cells tagged `shared-vmap_gaps` by scripts/build_shared.py: edit it here.
+"""
+
 import contextlib
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._trace import PathReport
 
-def _unsupported_by_vmap(error, model):
+
+def _unsupported_by_vmap(error: BaseException, model: nn.Module) -> str | None:
     """Why vmap could not run the model, for the errors of its known gaps (None for any other error)."""
     message = str(error)
     if "don't yet support saved tensor hooks" in message:
@@ -55,7 +65,7 @@ _CELLS = {"GRU": _gru_cell, "LSTM": _lstm_cell, "RNN_TANH": _rnn_cell(torch.tanh
 _RECURRENT = (nn.RNN, nn.GRU, nn.LSTM)
 
 
-def _unrollable(model):
+def _unrollable(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) for every nn.RNN, nn.GRU or nn.LSTM in the model whose forward is the class's own
     (a subclass that overrides forward, or an instance with its own forward, computes something else)."""
     found = []

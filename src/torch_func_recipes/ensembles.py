@@ -1,0 +1,54 @@
+"""Chapter 5: stack_models, M models of one architecture run as one vmapped function."""
+
+import copy
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call, stack_module_state, vmap
+
+
+def stack_models(models):
+    """Stack M models of one architecture: returns (forward, params, buffers), where params and
+    buffers hold every tensor with a leading dimension M, and forward(params, buffers, x) runs all M
+    models on one input tensor x; with per_model_batches=True, x must be (M, B, ...) and model i sees
+    x[i]. Models take one tensor input. Nothing is written back to `models`, and nothing done to them
+    later (such as .eval()) reaches the ensemble: it keeps the mode the models had when stacked.
+    """
+    models = list(models)
+    if not models or not all(isinstance(m, nn.Module) for m in models):
+        raise ValueError("stack_models needs a non-empty list of nn.Module")
+    first = dict(models[0].named_parameters()) | dict(models[0].named_buffers())
+    modes = [m.training for m in models[0].modules()]
+    for index, model in enumerate(models[1:], start=1):
+        other = dict(model.named_parameters()) | dict(model.named_buffers())
+        if type(model) is not type(models[0]) or repr(model) != repr(models[0]) or other.keys() != first.keys():
+            raise ValueError(f"model {index} has a different structure from model 0:\n{model}\nagainst\n{models[0]}")
+        if [m.training for m in model.modules()] != modes:
+            raise ValueError(f"model {index} is not in the same train/eval mode as model 0 (call .train() or .eval() on all)")
+        for name, tensor in other.items():
+            if tensor.shape != first[name].shape or tensor.dtype != first[name].dtype or tensor.device != first[name].device:
+                raise ValueError(f"model {index}'s {name} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}, "
+                                 f"model 0's is {tuple(first[name].shape)} {first[name].dtype} on {first[name].device}")
+    params, buffers = stack_module_state(models)
+    # The template: a copy of model 0 whose tensors live on the meta device (no data). Passing the
+    # replacements through deepcopy's memo keeps tied weights tied; functional_call swaps the
+    # stacked slices in for them.
+    memo = {}
+    for tensor in list(models[0].parameters()) + list(models[0].buffers()):
+        on_meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(on_meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else on_meta
+    template = copy.deepcopy(models[0], memo)
+
+    def run_one(params, buffers, x):
+        return functional_call(template, (params, buffers), (x,))
+
+    def forward(params, buffers, x, *, per_model_batches=False, randomness="error"):
+        """All models on x; with per_model_batches=True, x is (M, B, ...) and model i sees x[i].
+        randomness is vmap's: "different" gives each model its own dropout masks, "same" one mask."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"forward takes one input tensor, got {type(x).__name__}")
+        if per_model_batches and (x.dim() == 0 or x.shape[0] != len(models)):
+            raise ValueError(f"per_model_batches needs x of shape (M={len(models)}, B, ...), got {tuple(x.shape)}")
+        return vmap(run_one, in_dims=(0, 0, 0 if per_model_batches else None), randomness=randomness)(params, buffers, x)
+
+    return forward, params, buffers

@@ -1,0 +1,161 @@
+"""Chapter 4: output_jacobian (B, Y, P), split_by_parameter and the empirical NTK."""
+
+import torch
+from torch.func import functional_call, jacrev, vmap
+
+from ._trace import PathReport, _check_model, _fast_path_screen, _im2col, _traced_forward
+from ._vmap_gaps import _with_fallbacks
+
+
+def output_jacobian(model, inputs, *, chunk_size=None, out=None, path="auto", report=False):
+    """d outputs / d parameters for every example: a tensor (B, Y, P) for a model whose output is
+    (B, Y), with the P columns in named_parameters() order (parameters that require grad).
+
+    chunk_size: process this many examples at a time. out: an optional (B, Y, P) tensor to write into
+    (and return). path and report as for per_sample_grads: the fast path (one forward pass, Y backward
+    passes to the layer outputs batched into one, per-example products written into the result)
+    runs where a trace of this call establishes that it applies; the general path is
+    vmap(jacrev(...)) over the examples, with any nn.RNN/GRU/LSTM computed step by step (the unroll);
+    where vmap meets one of its known gaps (or path="loop"), the loop runs Y backward passes per example.
+    """
+    trainable = _check_model(model, inputs)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    if path not in ("auto", "fast", "general", "unroll", "loop"):
+        raise ValueError(f"path must be 'auto', 'fast', 'general', 'unroll' or 'loop', got {path!r}")
+    batch = inputs.shape[0]
+    if batch == 0:
+        raise ValueError("inputs hold no examples (a batch of 0): the number of outputs Y is not known")
+    total = sum(p.numel() for p in trainable.values())
+    with torch.inference_mode(False), torch.enable_grad():
+        if inputs.is_inference():
+            inputs = inputs.clone()
+        step = chunk_size or batch
+        reason = f"path={path!r} was asked for" if path in ("general", "unroll", "loop") else _fast_path_screen(model, trainable)
+        if reason is None:
+            start = 0
+            while start < batch and reason is None:
+                rows = slice(start, start + step)
+                out, reason = _fast_jacobian_chunk(model, trainable, inputs[rows], out, rows, batch, total)
+                start += step
+            if reason is None:
+                report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
+                                     "and every trainable parameter is the weight or bias of one linear or convolution operation")
+                return (out, report_) if report else out
+        if path == "fast":
+            raise ValueError(f"the fast path does not apply: {reason}")
+        run_vmap = lambda: _vmap_jacrev(model, trainable, inputs, chunk_size, out, total)
+        run_loop = lambda: _loop_jacobian(model, trainable, inputs, out, total)
+        result, report_ = _with_fallbacks(model, path, run_vmap, run_loop, reason)  # vmap, the unroll, or the loop
+        return (result, report_) if report else result
+
+
+def _loop_jacobian(model, trainable, inputs, out, total):
+    """One forward pass and Y backward passes per example, each row written into the result."""
+    params = list(trainable.values())
+    for n in range(len(inputs)):
+        output = model(inputs[n : n + 1])
+        _output_rows(output, 1)
+        out = _result_buffer(out, len(inputs), output.shape[1], total, output)
+        for j in range(output.shape[1]):
+            grads = torch.autograd.grad(output[0, j], params, retain_graph=True, allow_unused=True)
+            torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)], out=out[n, j])
+    return out
+
+
+def _output_rows(output, batch):
+    if not isinstance(output, torch.Tensor) or output.dim() != 2 or output.shape[0] != batch:
+        shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise ValueError(f"output_jacobian needs a model whose output is (B, Y); for a batch of {batch} it returned {shape}")
+
+
+def _result_buffer(out, batch, n_out, total, like):
+    if out is None:
+        return like.new_empty((batch, n_out, total))
+    if out.shape != (batch, n_out, total) or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(f"out must be a {like.dtype} tensor of shape {(batch, n_out, total)} on {like.device}")
+    return out
+
+
+def _fast_jacobian_chunk(model, trainable, inputs, out, rows, batch, total):
+    output, layers, reason = _traced_forward(model, inputs, trainable)
+    if reason is not None:
+        return out, reason
+    _output_rows(output, len(inputs))
+    n_out = output.shape[1]
+    out = _result_buffer(out, batch, n_out, total, output)
+    block = out[rows]
+    columns, start = {}, 0
+    for name, p in trainable.items():
+        columns[name] = block[:, :, start : start + p.numel()].unflatten(2, p.shape)
+        start += p.numel()
+    # the Y basis cotangents, each spread over the whole chunk: one batched backward pass gives every delta
+    basis = torch.eye(n_out, dtype=output.dtype, device=output.device)[:, None, :].expand(n_out, len(inputs), n_out)
+    zs = [layer["z"] for layer in layers]
+    deltas = vmap(lambda v: torch.autograd.grad(output, zs, v, retain_graph=True, allow_unused=True))(basis)
+    for layer, delta in zip(layers, deltas):
+        delta = torch.zeros((n_out, *layer["z"].shape), dtype=output.dtype, device=output.device) if delta is None else delta
+        _jacobian_products(layer, delta.detach(), columns)
+    return out, None
+
+
+def _jacobian_products(layer, delta, columns):
+    """One layer's rows of the output Jacobian: delta is (Y, B*r, ...), columns[name] is (B, Y, *shape)."""
+    a, r, weight, bias = layer["a"].detach(), layer["r"], layer["weight"], layer["bias"]
+    n_out = delta.shape[0]
+    if layer["kind"] == "linear":
+        batch = a.shape[0] // r
+        per_example = delta.view(n_out, batch, r, -1).permute(1, 0, 2, 3)  # (B, Y, r, out)
+        if weight is not None:
+            if r == 1:
+                torch.mul(per_example[:, :, 0, :, None], a[:, None, None, :], out=columns[weight])
+            else:
+                columns[weight].copy_(torch.matmul(per_example.transpose(2, 3), a.view(batch, 1, r, -1)))
+        if bias is not None:
+            columns[bias].copy_(per_example.sum(dim=2))
+        return
+    patches, flat_delta = _im2col(layer, a, delta)  # flat_delta: (Y, B, O, L)
+    if bias is not None:
+        columns[bias].copy_(flat_delta.sum(dim=3).transpose(0, 1))
+    if weight is not None:
+        products = torch.matmul(flat_delta.transpose(0, 1), patches[:, None].transpose(2, 3))  # (B, Y, O, C*kh*kw)
+        columns[weight].copy_(products.view(columns[weight].shape))
+
+
+def _vmap_jacrev(model, trainable, inputs, chunk_size, out, total):
+    detached = {name: p.detach() for name, p in trainable.items()}
+
+    def outputs_of_one(params, x):
+        output = functional_call(model, params, (x[None],))  # a batch of one
+        _output_rows(output, 1)
+        return output[0]
+
+    blocks = vmap(jacrev(outputs_of_one), in_dims=(None, 0), chunk_size=chunk_size)(detached, inputs)
+    batch, n_out = inputs.shape[0], next(iter(blocks.values())).shape[1]
+    out = _result_buffer(out, batch, n_out, total, next(iter(blocks.values())))
+    torch.cat([blocks[name].reshape(batch, n_out, -1) for name in trainable], dim=2, out=out)
+    return out
+
+
+def split_by_parameter(jacobian, model):
+    """Views of a (B, Y, P) output Jacobian, {name: (B, Y, *param.shape)}, in named_parameters() order."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    total = sum(p.numel() for _, p in params)
+    if jacobian.dim() != 3 or jacobian.shape[2] != total:
+        raise ValueError(f"expected a (B, Y, {total}) Jacobian for this model, got {tuple(jacobian.shape)}")
+    views, start = {}, 0
+    for name, p in params:
+        views[name] = jacobian[:, :, start : start + p.numel()].unflatten(2, p.shape)
+        start += p.numel()
+    return views
+
+
+def empirical_ntk(model, x1, x2):
+    """The empirical NTK, a tensor (N1, N2, Y, Y): entry [a, b, i, j] is the dot product, over all
+    parameters, of d output_i(x1[a]) / d params and d output_j(x2[b]) / d params."""
+    for name, x in (("x1", x1), ("x2", x2)):
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            raise ValueError(f"{name} must be a batch of inputs (a tensor with a batch dimension first), "
+                             f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    j1, j2 = output_jacobian(model, x1), output_jacobian(model, x2)
+    return torch.einsum("aip,bjp->abij", j1, j2)

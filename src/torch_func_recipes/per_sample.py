@@ -1,0 +1,484 @@
+"""Per-sample gradients and DP-SGD steps.
+
+Chapter 3: per_sample_grads (the fast path where a trace shows it exact, else vmap(grad), the unroll
+or the loop) and clip_and_noise. Chapter 11: per_sample_grad_norms (the norms without the (B, P)
+gradients) and clipped_noisy_gradient (the DP-SGD step from those norms).
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+from torch.overrides import TorchFunctionMode
+
+from ._trace import PathReport, _check_model, _fast_path_screen, _im2col, _losses_of_each, _traced_forward
+from ._vmap_gaps import _with_fallbacks
+
+
+def _per_example_products(layer, delta, out):
+    """Writes one layer's per-example weight and bias gradients (or Jacobian rows) into out[name]."""
+    a, r, weight, bias = layer["a"].detach(), layer["r"], layer["weight"], layer["bias"]
+    delta = delta.detach()
+    if layer["kind"] == "linear":
+        batch = a.shape[0] // r
+        if weight is not None:
+            if r == 1:
+                torch.mul(delta[:, :, None], a[:, None, :], out=out[weight])
+            else:
+                torch.bmm(delta.view(batch, r, -1).transpose(1, 2), a.view(batch, r, -1), out=out[weight])
+        if bias is not None:
+            if r == 1:
+                out[bias].copy_(delta)
+            else:
+                torch.sum(delta.view(batch, r, -1), dim=1, out=out[bias])
+        return
+    patches, flat_delta = _im2col(layer, a, delta)
+    if bias is not None:
+        torch.sum(flat_delta, dim=2, out=out[bias])
+    if weight is not None:
+        torch.bmm(flat_delta, patches.transpose(1, 2), out=out[weight].view(len(a), flat_delta.shape[1], -1))
+
+
+def per_sample_grads(model, loss_fn, inputs, targets, *, chunk_size=None, out=None, path="auto", report=False):
+    """The gradient of each example's own loss: {name: tensor (B, *param.shape)} for every parameter
+    that requires grad. Examples are along dimension 0 of inputs and targets; loss_fn(predictions,
+    targets) receives a batch of one and returns that example's (scalar) loss.
+
+    chunk_size: process this many examples at a time (bounds the memory of intermediates).
+    out: optional {name: (B, *param.shape)} tensors to write into (and return); without it the result
+        is freshly allocated.
+    path: "auto" (the fast path where a trace of this call establishes that it applies, else
+        vmap(grad(...)), with any nn.RNN/GRU/LSTM computed step by step (the unroll), else, where
+        vmap meets one of its known gaps, the loop), "fast" (raise if it does not apply), "general"
+        (plain vmap(grad(...)) always), "unroll" (vmap with the unroll; raise if it does not apply)
+        or "loop" (one autograd call per example: slow, but runs any model autograd can differentiate).
+    report: also return a PathReport(path, reason) saying which path ran and why.
+    """
+    trainable = _check_model(model, inputs)
+    if not isinstance(targets, torch.Tensor) or targets.dim() == 0 or targets.shape[0] != inputs.shape[0]:
+        raise ValueError(f"targets must be a tensor with one row per example ({inputs.shape[0]} examples)")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    if path not in ("auto", "fast", "general", "unroll", "loop"):
+        raise ValueError(f"path must be 'auto', 'fast', 'general', 'unroll' or 'loop', got {path!r}")
+    batch = inputs.shape[0]
+    if out is not None:
+        for name, p in trainable.items():
+            given = out.get(name)
+            if given is None or given.shape != (batch, *p.shape) or given.dtype != p.dtype or given.device != p.device:
+                raise ValueError(f"out[{name!r}] must be a {p.dtype} tensor of shape {(batch, *p.shape)} on {p.device}")
+    with torch.inference_mode(False), torch.enable_grad():
+        if inputs.is_inference() or targets.is_inference():  # made inside torch.inference_mode()
+            inputs, targets = inputs.clone(), targets.clone()
+        if batch == 0:
+            result = out or {name: p.new_empty((0, *p.shape)) for name, p in trainable.items()}
+            return (result, PathReport("none", "the batch is empty")) if report else result
+        reason = f"path={path!r} was asked for" if path in ("general", "unroll", "loop") else _fast_path_screen(model, trainable)
+        if reason is None:
+            result = out if out is not None else {name: p.new_empty((batch, *p.shape)) for name, p in trainable.items()}
+            step = chunk_size or batch
+            for start in range(0, batch, step):
+                rows = slice(start, start + step)
+                reason = _fast_chunk(model, trainable, loss_fn, inputs[rows], targets[rows], {n: t[rows] for n, t in result.items()})
+                if reason is not None:
+                    break
+            if reason is None:
+                report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
+                                     "and every trainable parameter is the weight or bias of one linear or convolution operation")
+                return (result, report_) if report else result
+        if path == "fast":
+            raise ValueError(f"the fast path does not apply: {reason}")
+
+        def run_vmap():
+            grads = _vmap_grad(model, trainable, loss_fn, inputs, targets, chunk_size)
+            for name, g in grads.items() if out is not None else ():
+                out[name].copy_(g)
+            return grads if out is None else out
+
+        run_loop = lambda: _loop_grads(model, trainable, loss_fn, inputs, targets, out)
+        grads, report_ = _with_fallbacks(model, path, run_vmap, run_loop, reason)  # vmap, the unroll, or the loop
+        return (grads, report_) if report else grads
+
+
+def _loop_grads(model, trainable, loss_fn, inputs, targets, out):
+    """One forward and backward pass per example, each written into its row of the result."""
+    names, params = list(trainable), list(trainable.values())
+    result = out if out is not None else {name: p.new_empty((len(inputs), *p.shape)) for name, p in trainable.items()}
+    for n in range(len(inputs)):
+        loss = loss_fn(model(inputs[n : n + 1]), targets[n : n + 1])
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar, the loss of one example; it returned shape {tuple(loss.shape)}")
+        for name, g in zip(names, torch.autograd.grad(loss, params, allow_unused=True)):
+            result[name][n] = 0 if g is None else g
+    return result
+
+
+def _fast_chunk(model, trainable, loss_fn, inputs, targets, out):
+    output, layers, reason = _traced_forward(model, inputs, trainable)
+    if reason is not None:
+        return reason
+    total = _losses_of_each(loss_fn, output, targets).sum()
+    deltas = torch.autograd.grad(total, [layer["z"] for layer in layers], allow_unused=True)
+    for layer, delta in zip(layers, deltas):
+        _per_example_products(layer, torch.zeros_like(layer["z"]) if delta is None else delta, out)
+    return None
+
+
+def _vmap_grad(model, trainable, loss_fn, inputs, targets, chunk_size):
+    """vmap(grad(...)) of one example's loss: the transform's own result, no copy."""
+    detached = {name: p.detach() for name, p in trainable.items()}
+
+    def loss_of_one(params, x, target):
+        loss = loss_fn(functional_call(model, params, (x[None],)), target[None])
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar, the loss of one example; it returned shape {tuple(loss.shape)}")
+        return loss
+
+    return vmap(grad(loss_of_one), in_dims=(None, 0, 0), randomness="different", chunk_size=chunk_size)(detached, inputs, targets)
+
+
+def clip_and_noise(per_sample, max_norm, noise_multiplier, generator=None, *, expected_batch_size=None):
+    """The DP-SGD gradient from per-sample gradients {name: (B, *shape)}: clip each example's whole
+    gradient to norm max_norm, sum, add N(0, (noise_multiplier * max_norm)^2) noise to every entry,
+    and divide by expected_batch_size (with Poisson sampling, the expected batch size; B if None).
+    Returns {name: tensor of shape *shape}.
+
+    The noise is drawn on the CPU from `generator` (a torch.Generator; fresh randomness if None) and
+    moved, so a seeded call gives the same step on any device. This is the arithmetic of one step;
+    a privacy guarantee also needs Poisson sampling, a privacy accountant and a cryptographically
+    secure noise source, which Opacus provides.
+    """
+    if not isinstance(per_sample, dict) or not per_sample:
+        raise ValueError("per_sample must be a non-empty dict {name: tensor (B, *shape)}")
+    batch_sizes = {g.shape[0] for g in per_sample.values()}
+    if len(batch_sizes) != 1:
+        raise ValueError(f"per-sample gradients disagree on the batch size: {sorted(batch_sizes)}")
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    if not noise_multiplier >= 0:
+        raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}")
+    (batch,) = batch_sizes
+    divisor = batch if expected_batch_size is None else expected_batch_size
+    if not divisor > 0:
+        raise ValueError(f"expected_batch_size must be positive, got {expected_batch_size}")
+    norms = torch.linalg.vector_norm(torch.stack([g.reshape(batch, -1).norm(dim=1) for g in per_sample.values()]), dim=0)
+    scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)  # 1e-6 as in Opacus, for all-zero gradients
+    private = {}
+    for name, g in per_sample.items():
+        clipped_sum = torch.einsum("b,b...->...", scale.to(g.dtype), g)
+        noise = torch.randn(clipped_sum.shape, generator=generator, dtype=g.dtype).to(g.device)
+        private[name] = (clipped_sum + noise_multiplier * max_norm * noise) / divisor
+    return private
+
+
+class NormsReport(NamedTuple):
+    """How per_sample_grad_norms got each parameter's share of the norms, and why it took that path."""
+    path: str       # "fast" (one traced batched pass), "vmap" (batched over examples), "unroll" (vmap, recurrent layers step by step) or "loop"
+    ghost: list     # weights by pairs of tokens (positions, ids): (a a^T) * (g g^T)
+    direct: list    # weights by their per-example product (g^T a, sum of g * x_hat: cheaper here), and biases
+    streamed: list  # every other parameter: its per-example gradient, chunk_size examples at a time
+    reason: str = ""  # what the trace showed, or why the fast path did not apply
+
+
+class _ParameterUses(TorchFunctionMode):
+    """Records, for one forward pass, every torch call that takes a trainable parameter."""
+
+    def __init__(self, trainable):
+        super().__init__()
+        self.names = {id(p): n for n, p in trainable.items()}
+        self.uses = {n: [] for n in trainable}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in list(args) + list(kwargs.values()):
+            if isinstance(value, torch.Tensor) and id(value) in self.names:
+                self.uses[self.names[id(value)]].append(func)
+        return func(*args, **kwargs)
+
+
+def _covered_linear_layers(model, inputs, trainable):
+    """{name: (module, {param name: param}, output shape of one example)} for the nn.Linear layers whose
+    trainable parameters are used exactly once, by the layer's own F.linear call."""
+    calls, handles = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not (module._forward_hooks or module._forward_pre_hooks):
+            handles.append(module.register_forward_hook(lambda m, a, z, name=name: calls.setdefault(name, []).append(z.shape)))
+    uses = _ParameterUses(trainable)
+    try:
+        with torch.no_grad(), uses:
+            model(inputs[:1])  # one example shows which calls the forward makes
+    finally:
+        for handle in handles:
+            handle.remove()
+    layers = {}
+    for name, shapes in calls.items():
+        module = model.get_submodule(name)
+        own = {uses.names[id(p)]: p for p in module._parameters.values() if p is not None and id(p) in uses.names}
+        if len(shapes) == 1 and own and all(uses.uses[n] == [F.linear] for n in own):
+            layers[name] = (module, own, shapes[0])
+    return layers
+
+
+def per_sample_grad_norms(model, loss_fn, inputs, targets, *, chunk_size=None, path="auto", report=False):
+    """The norm of each example's whole gradient (every parameter that requires grad), a (B,) tensor,
+    without holding the (B, P) per-example gradients. loss_fn(predictions, targets) receives a batch of
+    one and returns that example's scalar loss, as in per_sample_grads. chunk_size bounds how many
+    examples are processed at once. path: "auto" (the fast path, one batched forward and backward pass,
+    where a trace of this call shows it exact; else vmap; else the loop), "fast" (raise if it does not
+    apply) or "vmap". report=True also returns a NormsReport saying how each parameter was handled."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
+        raise TypeError("inputs must be a tensor with the examples along dimension 0")
+    if not isinstance(targets, torch.Tensor) or targets.dim() == 0 or len(targets) != len(inputs):
+        raise ValueError(f"targets must be a tensor with one row per example ({len(inputs)} examples)")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    if path not in ("auto", "fast", "vmap"):
+        raise ValueError(f"path must be 'auto', 'fast' or 'vmap', got {path!r}")
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not trainable:
+        raise ValueError("the model has no parameters that require grad")
+    with torch.inference_mode(False), torch.enable_grad():
+        if inputs.is_inference() or targets.is_inference():  # made inside torch.inference_mode()
+            inputs, targets = inputs.clone(), targets.clone()
+        if len(inputs) == 0:
+            norms = next(iter(trainable.values())).new_zeros(0)
+            return (norms, NormsReport("none", [], [], [], "the batch is empty")) if report else norms
+        reason = "path='vmap' was asked for" if path == "vmap" else _fast_path_screen(model, trainable, ("layer_norm", "embedding"))
+        if reason is None:
+            found, reason = _squared_norms_fast(model, loss_fn, inputs, targets, trainable, chunk_size)
+            if found is not None:
+                squares, ghost, direct = found
+                why = "a trace of the forward pass showed every operation keeps the examples apart"
+                norms = squares.clamp(min=0).sqrt()
+                return (norms, NormsReport("fast", ghost, direct, [], why)) if report else norms
+        if path == "fast":
+            raise ValueError(f"the fast path does not apply: {reason}")
+        layers = _covered_linear_layers(model, inputs, trainable)
+        streamed = [n for n in trainable if all(n not in own for _, own, _ in layers.values())]
+        # Chapter 3's driver: recurrent layers step by step under vmap; vmap's known gaps, the loop
+        (squares, ghost, direct), how = _with_fallbacks(
+            model, "auto", lambda: _squared_norms_by_vmap(model, loss_fn, inputs, targets, layers, streamed, chunk_size),
+            lambda: (_squared_norms_by_loop(model, loss_fn, inputs, targets, trainable), [], []), reason)
+        path, reason = {"general": "vmap"}.get(how.path, how.path), how.reason
+        streamed = list(trainable) if path == "loop" else streamed
+    norms = squares.clamp(min=0).sqrt()
+    return (norms, NormsReport(path, ghost, direct, streamed, reason)) if report else norms
+
+
+def _layer_squares(layer, g, batch):
+    """[(parameter name, (batch,) squared norms of its per-example gradients, "ghost" or "direct")] for one
+    traced layer, from its input a and the gradient g of the summed loss with respect to its output."""
+    a, g, found = layer["a"].detach(), g.detach(), []
+    add = lambda name, squares, how: found.append((name, squares, how)) if name is not None else None
+    if layer["kind"] == "linear":
+        a, g = a.reshape(batch, -1, a.shape[-1]), g.reshape(batch, -1, g.shape[-1])  # (B, T, d_in), (B, T, d_out)
+        if a.shape[1] == 1:  # one row per example: the bias's share is ||g||^2, the weight's ||a||^2 ||g||^2
+            g_squared = g.square().sum((1, 2))
+            add(layer["bias"], g_squared, "direct")
+            add(layer["weight"], a.square().sum((1, 2)) * g_squared, "ghost")
+            return found
+        add(layer["bias"], g.sum(1).square().sum(1), "direct")
+        if a.shape[1] ** 2 <= a.shape[2] * g.shape[2]:  # token pairs cost less than the product
+            add(layer["weight"], ((a @ a.transpose(1, 2)) * (g @ g.transpose(1, 2))).sum((1, 2)), "ghost")
+        else:
+            add(layer["weight"], (g.transpose(1, 2) @ a).square().sum((1, 2)), "direct")
+    elif layer["kind"] == "conv":
+        patches, delta = _im2col(layer, a, g)  # (B, C*k, L) and (B, O, L): a linear layer with L positions as tokens
+        add(layer["bias"], delta.sum(2).square().sum(1), "direct")
+        positions, k, o = delta.shape[2], patches.shape[1], delta.shape[1]
+        if positions * positions * (k + o) <= positions * k * o:
+            pairs = (patches.transpose(1, 2) @ patches) * (delta.transpose(1, 2) @ delta)
+            add(layer["weight"], pairs.sum((1, 2)), "ghost")
+        else:
+            add(layer["weight"], (delta @ patches.transpose(1, 2)).square().sum((1, 2)), "direct")
+    elif layer["kind"] == "layer_norm":  # per example: sum over positions of g * x_hat (weight), of g (bias)
+        size = math.prod(layer["shape"])
+        x_hat = F.layer_norm(a, layer["shape"], eps=layer["eps"]).reshape(batch, -1, size)
+        g = g.reshape(batch, -1, size)
+        add(layer["weight"], (g * x_hat).sum(1).square().sum(1), "direct")
+        add(layer["bias"], g.sum(1).square().sum(1), "direct")
+    elif layer["kind"] == "embedding":  # rows of equal ids add up: pairs of positions with the same id
+        ids = a.reshape(batch, -1)
+        g = g.reshape(batch, ids.shape[1], -1)
+        same = ids[:, :, None] == ids[:, None, :]
+        if layer["padding_idx"] >= 0:  # PyTorch gives the padding row no gradient
+            real = ids != layer["padding_idx"]
+            same &= real[:, :, None] & real[:, None, :]
+        add(layer["weight"], (same.to(g.dtype) * (g @ g.transpose(1, 2))).sum((1, 2)), "ghost")
+    else:
+        raise AssertionError(f"unknown layer kind {layer['kind']}")
+    return found
+
+
+def _lowest_layers(layers):
+    """Indices of the layers with no other layer's output below theirs in the autograd graph. Asking
+    autograd for their output gradients alone runs the backward pass through every other layer's output."""
+    nodes = {layer["z"].grad_fn for layer in layers} - {None}
+    lowest = []
+    for k, layer in enumerate(layers):
+        if layer["z"].grad_fn is None:  # computed without autograd (under torch.no_grad, say): no gradient reaches it
+            continue
+        stack, seen, below = [n for n, _ in layer["z"].grad_fn.next_functions if n is not None], set(), False
+        while stack and not below:
+            node = stack.pop()
+            if node not in seen:
+                seen.add(node)
+                below = node in nodes
+                stack.extend(n for n, _ in node.next_functions if n is not None)
+        if not below:
+            lowest.append(k)
+    return lowest
+
+
+def _squared_norms_fast(model, loss_fn, inputs, targets, trainable, chunk_size):
+    """On the batched forward and backward pass, where a trace shows each example's rows stay its own:
+    ((B,) squared norms, ghost names, direct names), or None and the reason it does not apply. Each
+    layer's output gradient is reduced to its share of the norms by a hook as soon as the backward pass
+    reaches it, so they are never all held at once."""
+    squares, how = [], {}
+    step = chunk_size or len(inputs)
+    for start in range(0, len(inputs), step):
+        x, t = inputs[start : start + step], targets[start : start + step]
+        output, layers, reason = _traced_forward(model, x, trainable, ("layer_norm", "embedding"))
+        if reason is not None:
+            return None, reason
+        total = _losses_of_each(loss_fn, output, t).sum()
+        chunk, done = output.new_zeros(len(x), dtype=next(iter(trainable.values())).dtype), set()
+
+        def take(k, g):
+            for name, s, kind in _layer_squares(layers[k], g, len(x)):  # noqa: F821 (ruff: `del layers` below; take runs before it)
+                chunk.add_(s)
+                how[name] = kind
+            done.add(k)
+
+        lowest = _lowest_layers(layers) if total.requires_grad else []
+        handles = [layer["z"].register_hook(lambda g, k=k: take(k, g)) for k, layer in enumerate(layers)
+                   if k not in lowest and layer["z"].grad_fn is not None]
+        try:
+            deltas = torch.autograd.grad(total, [layers[k]["z"] for k in lowest], allow_unused=True) if lowest else []
+        finally:
+            for handle in handles:
+                handle.remove()
+        for k, delta in zip(lowest, deltas):
+            take(k, torch.zeros_like(layers[k]["z"]) if delta is None else delta)
+        for k in set(range(len(layers))) - done:  # outputs the loss does not depend on: a share of zero
+            take(k, torch.zeros_like(layers[k]["z"]))
+        del output, layers, deltas
+        squares.append(chunk)
+    return (torch.cat(squares), sorted(n for n, k in how.items() if k == "ghost"),
+            sorted(n for n, k in how.items() if k == "direct")), None
+
+
+def _squared_norms_by_vmap(model, loss_fn, inputs, targets, layers, streamed, chunk_size):
+    rest = {n: p.detach() for n, p in model.named_parameters() if n in streamed}
+
+    def loss_of_one(rest, probes, x, t):
+        captured, handles = [], []
+        for (module, _, _), probe in zip(layers.values(), probes):
+            def hook(m, args, z, probe=probe):
+                captured.append(args[0].detach().clone())  # the layer's input, safe from later in-place changes
+                return z + probe  # d loss / d probe is d loss / d z
+            handles.append(module.register_forward_hook(hook))
+        try:
+            loss = loss_fn(functional_call(model, rest, (x[None],)), t[None])
+        finally:
+            for handle in handles:
+                handle.remove()
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar, the loss of one example; it returned shape {tuple(loss.shape)}")
+        return loss, captured
+
+    dtype = next(iter(model.parameters())).dtype
+    squares = torch.zeros(len(inputs), dtype=dtype, device=inputs.device)
+    ghost, direct = set(), set()
+    per_example = vmap(grad(loss_of_one, argnums=(0, 1), has_aux=True), in_dims=(None, 0, 0, 0), randomness="different")
+    step = chunk_size or len(inputs)
+    for start in range(0, len(inputs), step):
+        rows = slice(start, start + step)
+        x, t = inputs[rows], targets[rows]
+        probes = [torch.zeros((len(x), *shape), dtype=dtype, device=inputs.device) for _, _, shape in layers.values()]
+        (rest_grads, output_grads), layer_inputs = per_example(rest, probes, x, t)
+        for g in rest_grads.values():
+            squares[rows] += g.reshape(len(x), -1).square().sum(1)
+        for (module, own, _), a, g in zip(layers.values(), layer_inputs, output_grads):
+            a, g = a.reshape(len(x), -1, a.shape[-1]), g.reshape(len(x), -1, g.shape[-1])  # (n, T, d_in), (n, T, d_out)
+            for name, p in own.items():
+                if p is module.bias:
+                    squares[rows] += g.sum(1).square().sum(1)
+                    direct.add(name)
+                elif a.shape[1] ** 2 <= a.shape[2] * g.shape[2]:  # token pairs cost less than the product
+                    squares[rows] += ((a @ a.transpose(1, 2)) * (g @ g.transpose(1, 2))).sum((1, 2))
+                    ghost.add(name)
+                else:
+                    squares[rows] += (g.transpose(1, 2) @ a).square().sum((1, 2))
+                    direct.add(name)
+    return squares, sorted(ghost), sorted(direct)
+
+
+def _squared_norms_by_loop(model, loss_fn, inputs, targets, trainable):
+    squares = []
+    for n in range(len(inputs)):
+        loss = loss_fn(model(inputs[n : n + 1]), targets[n : n + 1])
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar, the loss of one example; it returned shape {tuple(loss.shape)}")
+        grads = torch.autograd.grad(loss, list(trainable.values()), allow_unused=True)
+        squares.append(sum(g.square().sum() for g in grads if g is not None))
+    return torch.stack(squares)
+
+
+def clipped_noisy_gradient(model, loss_fn, inputs, targets, norms, max_norm, noise_multiplier, generator=None, *,
+                           expected_batch_size=None):
+    """The DP-SGD gradient from per-example gradient norms, {name: tensor of shape *param.shape}:
+    (sum_i min(1, max_norm / (norms[i] + 1e-6)) * g_i + N(0, (noise_multiplier * max_norm)^2)) / B,
+    the same arithmetic as Chapter 3's clip_and_noise, but from one backward pass of the reweighted
+    loss sum_i min(1, C / n_i) * loss_i, so no (B, *shape) tensor is held. norms: from
+    per_sample_grad_norms on the same model and batch. Noise is drawn on the CPU from `generator` and
+    moved; B is expected_batch_size when given (Poisson sampling)."""
+    if not isinstance(norms, torch.Tensor) or norms.shape != (len(inputs),):
+        raise ValueError(f"norms must be a ({len(inputs)},) tensor, one norm per example")
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    if not noise_multiplier >= 0:
+        raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}")
+    divisor = len(inputs) if expected_batch_size is None else expected_batch_size
+    if not divisor > 0:
+        raise ValueError(f"the batch is empty or expected_batch_size is not positive ({divisor})")
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    weights = (max_norm / (norms.detach() + 1e-6)).clamp(max=1.0)
+    with torch.inference_mode(False), torch.enable_grad():
+        output = None
+        if _fast_path_screen(model, trainable, ("layer_norm", "embedding")) is None:  # the plain batched forward, where a trace shows it exact
+            output, _, _ = _traced_forward(model, inputs, trainable, ("layer_norm", "embedding"))
+        if output is not None:
+            losses = _losses_of_each(loss_fn, output, targets)
+            grads = torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), list(trainable.values()), allow_unused=True)
+        else:
+            grads = _reweighted_by_vmap_or_loop(model, loss_fn, inputs, targets, trainable, weights)
+    result = {}
+    for (name, p), g in zip(trainable.items(), grads):
+        noise = torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device)
+        result[name] = ((torch.zeros_like(p) if g is None else g) + noise_multiplier * max_norm * noise) / divisor
+    return result
+
+
+def _reweighted_by_vmap_or_loop(model, loss_fn, inputs, targets, trainable, weights):
+    """The gradient of sum_i weights[i] * loss_i, each loss on a batch of one: under vmap (Chapter 3's
+    driver: recurrent layers unrolled), else, on one of vmap's known gaps, one example at a time."""
+    params = list(trainable.values())
+
+    def by_vmap():  # every example's loss on a batch of one, in one batched forward pass, then one backward pass
+        losses = vmap(lambda x, t: loss_fn(model(x[None]), t[None]), randomness="different")(inputs, targets)
+        if losses.shape != (len(inputs),):
+            raise ValueError(f"loss_fn must return a scalar, the loss of one example; got losses of shape {tuple(losses.shape)}")
+        return torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), params, allow_unused=True)
+
+    def by_loop():
+        weighted = sum(w * loss_fn(model(inputs[n : n + 1]), targets[n : n + 1]) for n, w in enumerate(weights))
+        return torch.autograd.grad(weighted, params, allow_unused=True)
+
+    return _with_fallbacks(model, "auto", by_vmap, by_loop, "")[0]
