@@ -11,6 +11,7 @@
 #   make outputs [NB=book/01_vmap_basics.md]   re-execute notebooks and store their outputs
 #   make recipe-box                            regenerate book/08_recipe_box.md from the chapters' recipe cells
 #   make shared                                copy book/_shared/*.py into the notebook cells tagged shared-<name>
+#   make colab-check [NB=book/03_...ipynb]     each notebook alone, as in Colab (.venv-colab: colab-packages.txt)
 #
 # Another torch release, in its own environment (.venv-torch-<release>), by one variable:
 #
@@ -116,3 +117,26 @@ clean:
 	rm -rf _build
 
 FORCE:
+
+# --- colab-check -------------------------------------------------------------------------------
+# Every notebook alone, as in Colab (scripts/colab_check.py): each copied alone into an empty
+# folder and run top to bottom by a kernel of .venv-colab, which holds colab-packages.txt (what
+# Colab preinstalls) and nothing else; the runner is $(PY). .venv-colab is rebuilt from scratch
+# when the list changes. COLAB_TORCH replaces the list's torch line (make colab-check COLAB_TORCH=2.13.0).
+COLAB_VENV  := .venv-colab
+COLAB_TORCH ?= $(shell sed -n 's/^torch==//p' colab-packages.txt)
+COLAB_PY    := $(COLAB_VENV)/bin/python
+COLAB_READY := $(COLAB_VENV)/.installed-torch-$(COLAB_TORCH)
+
+.PHONY: colab-check
+
+$(COLAB_READY): colab-packages.txt
+	rm -rf $(COLAB_VENV)
+	$(PYTHON) -m venv $(COLAB_VENV)
+	$(COLAB_PY) -m pip install --quiet --upgrade pip
+	sed 's/^torch==.*/torch==$(COLAB_TORCH)/' colab-packages.txt > $(COLAB_VENV)/packages.txt
+	$(COLAB_PY) -m pip install --quiet -r $(COLAB_VENV)/packages.txt
+	touch $@
+
+colab-check: $(READY) $(COLAB_READY)
+	$(PY) -m scripts.colab_check --python $(COLAB_PY) $(NB)
