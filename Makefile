@@ -12,6 +12,8 @@
 #   make recipe-box                            regenerate book/08_recipe_box.md from the chapters' recipe cells
 #   make shared                                copy book/_shared/*.py and two package modules into the cells tagged shared-<name>
 #   make lock                                  regenerate requirements.lock from requirements*.txt and constraints.txt
+#   make colab-check [NB=book/03_...ipynb]     each notebook alone, as in Colab (.venv-colab: colab-packages.lock)
+#   make colab-lock                            regenerate colab-packages.lock from colab-packages.txt
 #
 # Another torch release, in its own environment (.venv-torch-<release>), by one variable (the other
 # packages stay at the lock's releases):
@@ -141,3 +143,39 @@ clean:
 	rm -rf _build
 
 FORCE:
+
+# --- colab-check -------------------------------------------------------------------------------
+# Every notebook alone, as in Colab (scripts/colab_check.py): each copied alone into an empty
+# folder and run top to bottom by a kernel of .venv-colab, which holds what Colab preinstalls and
+# nothing else; the runner is $(PY). colab-packages.txt names those packages; colab-packages.lock
+# (`make colab-lock`) pins them and their dependencies, torch's family aside, and is what is
+# installed, with --no-deps, then checked. .venv-colab is rebuilt from scratch when either
+# changes. COLAB_TORCH replaces the list's torch release (make colab-check COLAB_TORCH=2.13.0).
+COLAB_VENV  := .venv-colab
+COLAB_LOCK  := colab-packages.lock
+COLAB_TORCH ?= $(shell sed -n 's/^torch==//p' colab-packages.txt)
+COLAB_PY    := $(COLAB_VENV)/bin/python
+COLAB_READY := $(COLAB_VENV)/.installed-torch-$(COLAB_TORCH)
+
+.PHONY: colab-check colab-lock
+
+$(COLAB_READY): colab-packages.txt $(COLAB_LOCK)
+	rm -rf $(COLAB_VENV)
+	$(PYTHON) -m venv $(COLAB_VENV)
+	$(COLAB_PY) -m pip install --quiet "pip==$(PIP_PIN)"
+	$(COLAB_PY) -m pip install --quiet "torch==$(COLAB_TORCH)"
+	$(COLAB_PY) -m pip install --quiet --no-deps -r $(COLAB_LOCK)
+	$(COLAB_PY) -m scripts.lock check --lock $(COLAB_LOCK)
+	touch $@
+
+# The Colab lock, made like `make lock`: a scratch venv of colab-packages.txt, frozen.
+colab-lock:
+	rm -rf $(COLAB_VENV)-lock
+	$(PYTHON) -m venv $(COLAB_VENV)-lock
+	$(COLAB_VENV)-lock/bin/python -m pip install --quiet "pip==$(PIP_PIN)"
+	$(COLAB_VENV)-lock/bin/python -m pip install --quiet -r colab-packages.txt
+	$(COLAB_VENV)-lock/bin/python -m scripts.lock write --lock $(COLAB_LOCK)
+	rm -rf $(COLAB_VENV)-lock
+
+colab-check: $(READY) $(COLAB_READY)
+	$(PY) -m scripts.colab_check --python $(COLAB_PY) $(NB)

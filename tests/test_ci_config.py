@@ -100,6 +100,14 @@ def test_the_lock_holds_every_requirement_at_its_direct_pin():
     assert "torch" in direct and "torch" not in pins and not [n for n in pins if n.startswith("nvidia")]
 
 
+def test_the_colab_lock_holds_every_colab_package_at_its_release():
+    pins = lock.read(ROOT / "colab-packages.lock")
+    listed = {lock.canonical(line.split("==")[0]): line.split("==")[1].strip()
+              for line in (ROOT / "colab-packages.txt").read_text().splitlines() if "==" in line and not line.startswith("#")}
+    assert "torch" in listed and "torch" not in pins
+    assert {name: version for name, version in listed.items() if lock.locked(name) and pins.get(name) != version} == {}
+
+
 def test_the_lock_check_catches_an_unlocked_a_moved_and_a_missing_package():
     pins = {"numpy": "2.4.6", "pytest": "8.4.2"}
     assert lock.problems(pins, dict(pins), partial=False) == []
