@@ -1,0 +1,118 @@
+"""The private PyTorch APIs the package relies on, each listed once with the reason.
+
+Policy. The recipes use a private torch name (a module path with a `_` component, a class, function
+or attribute whose name starts with `_`, an ATen operator whose name starts with `_`) only where no
+public API does the job, or where the public one is newer than the oldest torch the package
+supports. Every such use is an entry of PRIVATE_APIS below, with the recipes that depend on it, why,
+and the public API to move to where torch has one. tests/test_torch_private.py enforces the register
+both ways:
+
+- every entry still resolves in the installed torch (one test per entry, named after the API), so a
+  torch release that removes or renames one fails a test that names it and the recipes affected;
+- an ast scan of the package's source finds exactly the names listed here, used exactly where
+  `where_used` says: a new private use must be added, and an entry the code no longer needs removed.
+
+The other modules do not import this one: their code is the chapters' code, identical to the cells
+tagged `recipe` (tests/test_package.py), so they keep their own imports and this module is the
+register the tests read. It defines no function or class (tests/test_package.py would look for one
+in the chapters). Not listed: the text of torch's error messages that _vmap_gaps._unsupported_by_vmap
+recognises (one of them names torch.utils.checkpoint's internal _NoopSaveInputs); those are not
+APIs, and tests/test_recipes.py runs every gap it recognises against the installed torch.
+
+Entry fields: `name`, how the test resolves it, by kind:
+
+- "import" (imported from a private module) and "module attribute" (a private name reached
+  through a module): a dotted path, imported and then followed attribute by attribute;
+- "aten operator": torch.ops.aten.<name>.<overload>, followed from torch;
+- "object attribute": Class._attr, checked with hasattr on the object `owner()` makes.
+
+`where_used`: the package's functions and classes that use it (module.qualified_name); `reason`:
+why a public API does not do, in one sentence; `public_alternative`: where torch has one, or None.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+PrivateAPI = NamedTuple("PrivateAPI", [
+    ("name", str),
+    ("kind", str),  # "import", "module attribute", "object attribute" or "aten operator"
+    ("where_used", tuple[str, ...]),
+    ("reason", str),
+    ("public_alternative", str | None),
+    ("owner", Callable[[], object] | None),  # makes the object an "object attribute" belongs to
+])
+
+_DISPATCH_ALIAS = ("the public op dispatches to it, so it is the name the fast path's TorchDispatchMode sees and must allow; "
+                   "a dispatch mode sees ATen operators, never the Python-level function")
+_TRACE = ("_trace._BatchTrace",)
+_SCREEN = ("_trace._fast_path_screen",)
+
+PRIVATE_APIS: tuple[PrivateAPI, ...] = (
+    PrivateAPI("torch.utils._python_dispatch.TorchDispatchMode", "import", _TRACE,
+               "only a dispatch mode sees every ATen operation of the forward pass with its schema, which the fast "
+               "path's trace must check; torch.overrides.TorchFunctionMode sees Python calls before decomposition",
+               None, None),
+    PrivateAPI("torch.utils._pytree.tree_flatten", "import", ("_trace._BatchTrace.__torch_dispatch__", "_trace._BatchTrace.rule"),
+               "flattens an operator's nested arguments and results as torch's own dispatch code does, and torch "
+               "has no public pytree module",
+               None, None),
+    PrivateAPI("torch.nn.modules.batchnorm._BatchNorm", "module attribute", ("_trace._check_model", "curvature._trainable"),
+               "the one base class of BatchNorm1d/2d/3d, their Lazy variants, SyncBatchNorm and third-party subclasses; "
+               "the public classes share no public base",
+               None, None),
+    PrivateAPI("torch.nn.modules.module._global_backward_hooks", "module attribute", _SCREEN,
+               "no public API says whether a global module backward hook is registered, and the fast path, which "
+               "skips module backward hooks, must refuse when one is",
+               None, None),
+    PrivateAPI("torch.nn.modules.module._global_backward_pre_hooks", "module attribute", _SCREEN,
+               "no public API says whether a global module backward pre-hook is registered, and the fast path, "
+               "which skips them, must refuse when one is",
+               None, None),
+    PrivateAPI("Module._parameters", "object attribute", ("_trace._fast_path_screen", "per_sample._covered_linear_layers"),
+               "maps each module's own parameters by their short names, a parameter registered under two names "
+               "included, which named_parameters(recurse=False) would drop as a duplicate",
+               "module.named_parameters(recurse=False, remove_duplicate=False)", lambda: nn.Linear(1, 1)),
+    PrivateAPI("Module._forward_hooks", "object attribute", ("per_sample._covered_linear_layers",),
+               "no public API says whether a module has forward hooks, which may change its output and so rule "
+               "out the direct per-example product",
+               None, lambda: nn.Linear(1, 1)),
+    PrivateAPI("Module._forward_pre_hooks", "object attribute", ("per_sample._covered_linear_layers",),
+               "no public API says whether a module has forward pre-hooks, which may change its input and so "
+               "rule out the direct per-example product",
+               None, lambda: nn.Linear(1, 1)),
+    PrivateAPI("Module._backward_hooks", "object attribute", _SCREEN,
+               "no public API says whether a module has backward hooks, which the fast path would skip",
+               None, lambda: nn.Linear(1, 1)),
+    PrivateAPI("Module._backward_pre_hooks", "object attribute", _SCREEN,
+               "no public API says whether a module has backward pre-hooks, which the fast path would skip",
+               None, lambda: nn.Linear(1, 1)),
+    PrivateAPI("RNNBase._flat_weights_names", "object attribute", ("_vmap_gaps._unrolled_forward",),
+               "the names of every layer's and direction's weights in the fused kernel's order (projections and "
+               "bias=False included), read by name so that functional_call's tensors are the ones used",
+               None, lambda: nn.LSTM(1, 2, num_layers=2, bidirectional=True, proj_size=1)),
+    PrivateAPI("OpOverload._schema", "object attribute", ("_trace._BatchTrace.__torch_dispatch__", "_trace._BatchTrace.values_of"),
+               "the operator's schema names its arguments with their defaults and says which ones it writes into; "
+               "the public OpOverload attributes (name(), tags) do not",
+               None, lambda: torch.ops.aten.add_.Tensor),
+    PrivateAPI("Tensor._version", "object attribute", ("_trace._BatchTrace.rule", "_trace._traced_forward"),
+               "the version counter is the only record that an in-place operation changed a layer's input or output "
+               "after the trace saved it",
+               None, lambda: torch.zeros(1)),
+    PrivateAPI("torch.ops.aten._unsafe_view.default", "aten operator", _TRACE,
+               "reshape (where it must copy) and matmul's reshapes dispatch to it; " + _DISPATCH_ALIAS, None, None),
+    PrivateAPI("torch.ops.aten._reshape_alias.default", "aten operator", _TRACE,
+               "reshape can dispatch to it (older releases, some backends); " + _DISPATCH_ALIAS, None, None),
+    PrivateAPI("torch.ops.aten._to_copy.default", "aten operator", _TRACE,
+               "Tensor.to and type conversions dispatch to it; " + _DISPATCH_ALIAS, None, None),
+    PrivateAPI("torch.ops.aten._adaptive_avg_pool2d.default", "aten operator", _TRACE,
+               "F.adaptive_avg_pool2d dispatches to it; " + _DISPATCH_ALIAS, None, None),
+    PrivateAPI("torch.ops.aten._softmax.default", "aten operator", _TRACE,
+               "F.softmax dispatches to it; " + _DISPATCH_ALIAS, None, None),
+    PrivateAPI("torch.ops.aten._log_softmax.default", "aten operator", _TRACE,
+               "F.log_softmax and F.cross_entropy dispatch to it; " + _DISPATCH_ALIAS, None, None),
+    PrivateAPI("torch.ops.aten._native_batch_norm_legit_no_training.default", "aten operator", ("_trace._BatchTrace.rule",),
+               "F.batch_norm with running statistics in eval mode can dispatch to it rather than to native_batch_norm; " + _DISPATCH_ALIAS, None, None),
+)
