@@ -301,6 +301,39 @@ def test_the_unroll_never_changes_the_users_model(recipes, kind):
             assert type(rnn) is kind and type(rnn).forward is kind.forward
 
 
+class SharedGRU(nn.Module):
+    """One GRU reached under two names (rnn and block.0): the stand-in must unroll it on both paths."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.GRU(3, 4, batch_first=True), nn.Linear(8, 3)
+        self.block = nn.Sequential(self.rnn)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.rnn(x)[0][:, -1], self.block(x)[0][:, -1]], dim=-1))
+
+
+def test_the_stand_in_covers_shared_layers_and_a_recurrent_root(recipes):
+    torch.manual_seed(9)
+    x = REAL["GRU"][1]
+    model = SharedGRU().double()
+    stand_in = recipes["_unrolled_stand_in"](model, recipes["_unrollable"](model))
+    assert stand_in.rnn is stand_in.block[0] and stand_in.rnn is not model.rnn and stand_in.head is model.head
+    assert [n for n, _ in stand_in.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert all(p is q for p, q in zip(stand_in.parameters(), model.parameters()))
+    before = snapshot(model)
+    grads, report = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, report=True)
+    expected = loop_per_sample(model, x, TARGETS)
+    assert report.path == "unroll" and all(close(grads[k], expected[k]) for k in expected) and snapshot(model) == before
+    root = nn.LSTM(3, 3, batch_first=True).double()  # the model is the recurrent layer itself
+    last_step = lambda out, t: F.cross_entropy(out[0][:, -1], t)
+    before = snapshot(root)
+    grads, report = recipes["per_sample_grads"](root, last_step, x, TARGETS, report=True)
+    expected = {n: torch.stack([torch.autograd.grad(last_step(root(x[i : i + 1]), TARGETS[i : i + 1]), p)[0] for i in range(len(x))])
+                for n, p in root.named_parameters()}
+    assert report.path == "unroll" and all(close(grads[k], expected[k]) for k in expected) and snapshot(root) == before
+
+
 # Recurrent layers on the unroll path (torch_func_recipes/_vmap_gaps.py): every option nn.RNNBase has, through
 # both recipes, against the loop (which runs the fused kernel) in float64 at close()'s 1e-10. A plain
 # one-layer LSTM and GRU are REAL's, through every recipe and option above.
