@@ -116,16 +116,77 @@ def test_the_adversarial_models_differ_from_the_fast_paths_arithmetic(recipes):
     assert not all(torch.allclose(out[k], expected[k], rtol=1e-10, atol=1e-12) for k in expected)
 
 
-@pytest.mark.parametrize("model", [mixing(lambda h: h * (1.0 + 0.0 * h.max().item())),
-                                   mlp(lambda m: m[0].register_full_backward_hook(lambda module, grad_in, grad_out: None))],
-                         ids=[".item() in forward", "a backward hook"])
-def test_models_vmap_cannot_run_raise(recipes, model):
-    """The trace refuses these, and vmap cannot run them: the recipes raise (as vmap(grad) does)
-    instead of returning a wrong answer."""
+def branching(m, x):
+    """Python control flow on the values of an example: vmap cannot take the branch, the loop can."""
+    h = torch.tanh(m.a(x))
+    if h.sum() > 0:
+        return m.b(h)
+    if m.strict:
+        raise ValueError("this model takes no example whose hidden sum is negative")
+    return m.b(-h)
+
+
+VMAP_CANNOT_RUN = {  # the trace refuses these and vmap raises on them; one example at a time they run
+    ".item() in forward": mixing(lambda h: h * (1.0 + 0.0 * h.max().item())),
+    "a backward hook": mlp(lambda m: m[0].register_full_backward_hook(lambda module, grad_in, grad_out: None)),
+    "if on an example's values": net(branching, strict=False),
+}
+
+
+# The loop with a backward hook and inputs that need no grad: torch says so, by this exact message.
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing when gradients are computed with respect to module outputs")
+@pytest.mark.parametrize("name", list(VMAP_CANNOT_RUN))
+def test_models_vmap_cannot_run_take_the_loop(recipes, name):
+    """With path="auto", whatever vmap raised, the loop runs, and the report names what vmap raised;
+    with path="general", vmap's own error is raised, as vmap(grad) raises it."""
+    model = VMAP_CANNOT_RUN[name].double()
+    got, report = recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, report=True)
+    expected = loop_per_sample(model, X, TARGETS)
+    assert report.path == "loop" and report.reason.startswith("vmap raised RuntimeError: "), report
+    assert all(close(got[k], expected[k]) for k in expected)
+    jacobian, report = recipes["output_jacobian"](model, X, report=True)
+    assert report.path == "loop" and report.reason.startswith("vmap raised RuntimeError: "), report
+    assert close(jacobian, loop_output_jacobian(model, X))
+    norms, report = recipes["per_sample_grad_norms"](model, F.cross_entropy, X, TARGETS, report=True)
+    assert report.path == "loop" and report.reason.startswith("vmap raised RuntimeError: "), report
+    assert close(norms, torch.stack([torch.cat([g[n].flatten() for g in expected.values()]).norm() for n in range(len(X))]))
     with pytest.raises(RuntimeError):
-        recipes["per_sample_grads"](model.double(), F.cross_entropy, X, TARGETS)
+        recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, path="general")
     with pytest.raises(RuntimeError):
-        recipes["output_jacobian"](model.double(), X)
+        recipes["output_jacobian"](model, X, path="general")
+
+
+def vmap_error_of(model):
+    """What torch.func raises on the model's per-example gradients, as (type, message)."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    loss = lambda params, x, t: F.cross_entropy(torch.func.functional_call(model, params, (x[None],)), t[None])
+    with pytest.raises(Exception) as raised:
+        torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, X, TARGETS)
+    return type(raised.value), str(raised.value)
+
+
+def test_the_general_path_raises_vmaps_error_unchanged(recipes):
+    model = net(branching, strict=False).double()
+    expected = vmap_error_of(model)
+    with pytest.raises(Exception) as raised:
+        recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, path="general")
+    assert (type(raised.value), str(raised.value)) == expected and raised.value.__cause__ is None
+
+
+def test_a_model_that_fails_both_raises_the_loops_error_chained_to_vmaps(recipes):
+    torch.manual_seed(3)
+    model = net(branching, strict=True).double()
+    with torch.no_grad():  # the loop accepts the first example (which per_sample_grad_norms runs first, to find its layers),
+        sums = torch.tanh(model.a(X)).sum(1)  # and refuses a later one
+    assert sums[0] > 0 and (sums < 0).any()
+    vmap_type, vmap_message = vmap_error_of(model)
+    for call in (lambda: recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS),
+                 lambda: recipes["output_jacobian"](model, X),
+                 lambda: recipes["per_sample_grad_norms"](model, F.cross_entropy, X, TARGETS)):
+        with pytest.raises(ValueError, match="hidden sum is negative") as raised:
+            call()
+        cause = raised.value.__cause__
+        assert type(cause) is vmap_type and str(cause) == vmap_message
 
 
 def test_errors_name_the_problem(recipes):

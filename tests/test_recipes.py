@@ -233,7 +233,7 @@ def test_output_jacobian_and_ntk(recipes, name):
 
 
 def buggy_gru(m, x):
-    """A genuine mistake in forward (adding a (2, 6) tensor to a (B, 6) state): it must surface, not be looped away."""
+    """A genuine mistake in forward (adding a (2, 6) tensor to a (B, 6) state): the loop meets it too, and raises it."""
     h = m.rnn(x)[0][:, -1]
     if m.bug == "value":
         raise ValueError("my own check failed")
@@ -242,30 +242,96 @@ def buggy_gru(m, x):
 
 @pytest.mark.parametrize("bug", ["value", "shape"])
 def test_users_own_error_still_raises(recipes, bug):
-    """From every recipe that falls back to the loop where vmap cannot run a model."""
+    """From every recipe that falls back to the loop where vmap raised: the loop's error, chained to vmap's."""
     model = Model(buggy_gru, rnn=nn.GRU(3, 6, batch_first=True), head=nn.Linear(6, 3), bug=bug).double()
     x, ones = REAL["GRU"][1], torch.ones(5, dtype=torch.float64)
-    for call in (lambda: recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS),
-                 lambda: recipes["output_jacobian"](model, x),
-                 lambda: recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS),
-                 lambda: recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, ones, 1.0, 0.0)):
-        with pytest.raises(ValueError if bug == "value" else RuntimeError, match="my own check|must match|size of tensor|broadcast"):
+    # per_sample_grad_norms first runs one example through the model (to find its linear layers): the
+    # mistake is raised there, before vmap; the others meet it under vmap, then in the loop
+    for call, chained in ((lambda: recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS), True),
+                          (lambda: recipes["output_jacobian"](model, x), True),
+                          (lambda: recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS), False),
+                          (lambda: recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, ones, 1.0, 0.0), True)):
+        with pytest.raises(ValueError if bug == "value" else RuntimeError, match="my own check|must match|size of tensor|broadcast") as raised:
             call()
+        assert type(raised.value.__cause__) is (type(raised.value) if chained else type(None))
 
 
-def test_only_known_vmap_gaps_are_recognised(recipes):
-    """The shared matcher (torch_func_recipes/_vmap_gaps.py): vmap's known gaps give a reason, anything else None (re-raised)."""
-    known = recipes["_unsupported_by_vmap"]
-    gru, plain = REAL["GRU"][0], nn.Linear(2, 2)
-    assert known(RuntimeError("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks. Please"), plain)
-    assert known(RuntimeError("You tried to vmap over _NoopSaveInputs, but it does not have vmap support."), plain)
-    assert known(RuntimeError("Batching rule not implemented for aten::gru.input. We could not generate a fallback."), plain)
-    assert known(RuntimeError("Batching rule not implemented for aten::x.out; the fallback path doesn't work on out= or view ops."), plain)
-    assert known(RuntimeError("A BatchedTensor escaped from inside a function being vmapped; this is not supported"), plain)
-    assert known(RuntimeError("output with shape [1, 6] doesn't match the broadcast shape [5, 1, 6]"), gru)
-    assert known(RuntimeError("output with shape [1, 6] doesn't match the broadcast shape [5, 1, 6]"), plain) is None
-    assert known(RuntimeError("vmap: It looks like you're calling .item() on a Tensor"), gru) is None
-    assert known(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), gru) is None
+def snapshot(model):
+    """What the recipes must leave as it was, module by module: the class, the attribute names (so no
+    instance `forward`), and which objects its parameters, buffers, submodules and flat weights are."""
+    ids = lambda d: {k: id(v) for k, v in d.items()}
+    return [(type(m), sorted(vars(m)), ids(m._parameters), ids(m._buffers), ids(m._modules),
+             [id(w) for w in getattr(m, "_flat_weights", [])]) for m in model.modules()]
+
+
+def rnn_then_head(m, x):
+    h = m.rnn(x)[0][:, -1]
+    if m.broken:
+        raise ValueError("broken on purpose")
+    return m.head(h)
+
+
+@pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM])
+def test_the_unroll_never_changes_the_users_model(recipes, kind):
+    """The unroll runs vmap on a stand-in sharing the model's parameters: nothing is assigned on the
+    user's recurrent layer or its parents, during the call (a forward pre-hook on the layer looks) or
+    after it, whether the call returns or raises."""
+    torch.manual_seed(8)
+    model = Model(rnn_then_head, rnn=kind(3, 6, batch_first=True), head=nn.Linear(6, 3), broken=False).double()
+    x, rnn, seen = REAL["GRU"][1], model.rnn, []
+    rnn.register_forward_pre_hook(lambda module, args: seen.append((module is rnn, "forward" in vars(rnn))))
+    before = snapshot(model)
+    calls = {"per_sample_grads": lambda **o: recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, **o),
+             "output_jacobian": lambda **o: recipes["output_jacobian"](model, x, **o),
+             "per_sample_grad_norms": lambda **o: recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, **o)}
+    for name, call in calls.items():
+        for broken, path in [(False, "auto"), (True, "auto"), (True, "unroll")]:
+            if name == "per_sample_grad_norms" and path == "unroll":
+                continue  # it has no path="unroll"
+            model.broken, seen[:] = broken, []
+            if broken:
+                with pytest.raises(ValueError, match="broken on purpose"):
+                    call(path=path)
+            else:
+                assert call(report=True)[1].path == "unroll"
+            if not (broken and name == "per_sample_grad_norms"):  # which raises on its first, plain run of one example
+                assert any(not on_users for on_users, _ in seen), f"{name}: the stand-in never ran"
+            assert not any(assigned for _, assigned in seen), f"{name}: forward was assigned on the user's layer"
+            assert snapshot(model) == before, name
+            assert type(rnn) is kind and type(rnn).forward is kind.forward
+
+
+class SharedGRU(nn.Module):
+    """One GRU reached under two names (rnn and block.0): the stand-in must unroll it on both paths."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.GRU(3, 4, batch_first=True), nn.Linear(8, 3)
+        self.block = nn.Sequential(self.rnn)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.rnn(x)[0][:, -1], self.block(x)[0][:, -1]], dim=-1))
+
+
+def test_the_stand_in_covers_shared_layers_and_a_recurrent_root(recipes):
+    torch.manual_seed(9)
+    x = REAL["GRU"][1]
+    model = SharedGRU().double()
+    stand_in = recipes["_unrolled_stand_in"](model, recipes["_unrollable"](model))
+    assert stand_in.rnn is stand_in.block[0] and stand_in.rnn is not model.rnn and stand_in.head is model.head
+    assert [n for n, _ in stand_in.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert all(p is q for p, q in zip(stand_in.parameters(), model.parameters()))
+    before = snapshot(model)
+    grads, report = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, report=True)
+    expected = loop_per_sample(model, x, TARGETS)
+    assert report.path == "unroll" and all(close(grads[k], expected[k]) for k in expected) and snapshot(model) == before
+    root = nn.LSTM(3, 3, batch_first=True).double()  # the model is the recurrent layer itself
+    last_step = lambda out, t: F.cross_entropy(out[0][:, -1], t)
+    before = snapshot(root)
+    grads, report = recipes["per_sample_grads"](root, last_step, x, TARGETS, report=True)
+    expected = {n: torch.stack([torch.autograd.grad(last_step(root(x[i : i + 1]), TARGETS[i : i + 1]), p)[0] for i in range(len(x))])
+                for n, p in root.named_parameters()}
+    assert report.path == "unroll" and all(close(grads[k], expected[k]) for k in expected) and snapshot(root) == before
 
 
 # Recurrent layers on the unroll path (torch_func_recipes/_vmap_gaps.py): every option nn.RNNBase has, through

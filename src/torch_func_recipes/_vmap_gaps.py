@@ -1,35 +1,17 @@
-"""vmap's known gaps and what stands in for it, shared by Chapters 3, 4 and 11.
+"""What stands in for vmap where it cannot run a model, shared by Chapters 3, 4 and 11.
 
-_unsupported_by_vmap recognises the errors of vmap's known gaps; _recurrent_unrolled computes
-nn.RNN/GRU/LSTM layers step by step under vmap; _with_fallbacks is the one driver that picks vmap,
-the unroll or the loop. Also copied, without this docstring and the relative import, into the
-notebook cells tagged `shared-vmap_gaps` by scripts/build_shared.py: edit it here.
+_unrolled_stand_in builds a stand-in for a model whose nn.RNN/GRU/LSTM layers compute step by step
+under vmap (the model itself is never written to); _with_fallbacks is the one driver that picks vmap,
+the unroll or the loop, from the model's modules before running, and takes the loop only after vmap
+raised. Also copied, without this docstring and the relative import, into the notebook cells tagged
+`shared-vmap_gaps` by scripts/build_shared.py: edit it here.
 """
-
-import contextlib
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ._trace import PathReport
-
-
-def _unsupported_by_vmap(error: BaseException, model: nn.Module) -> str | None:
-    """Why vmap could not run the model, for the errors of its known gaps (None for any other error)."""
-    message = str(error)
-    if "don't yet support saved tensor hooks" in message:
-        return "torch.func does not support saved tensor hooks (torch.utils.checkpoint, activation offloading)"
-    if message.startswith("You tried to vmap over _NoopSaveInputs"):  # torch 2.11's words for the same gap
-        return "torch.utils.checkpoint's internal autograd Function has no vmap rule"
-    if "escaped from inside a function being vmapped" in message:  # a checkpoint recomputing after vmap returned
-        return "a tensor made under vmap was used after vmap returned (torch.utils.checkpoint recomputes in the backward pass)"
-    if message.startswith("Batching rule not implemented for"):  # "We could not generate a fallback", or out=/view ops
-        return message.split(".")[0].split(";")[0]
-    recurrent = [name for name, m in model.named_modules() if isinstance(m, nn.RNNBase)]
-    if recurrent and "doesn't match the broadcast shape" in message:
-        return f"the recurrent layer {recurrent[0] or 'model'} ({message}): its fused kernel writes in place under vmap"
-    return None
 
 
 class _CannotUnroll(Exception):
@@ -139,49 +121,93 @@ def _unrolled_forward(module, input, hx=None):
     return (output, (h_n, c_n)) if lstm else (output, h_n)
 
 
-@contextlib.contextmanager
-def _recurrent_unrolled(model):
-    """Within the block, every recurrent layer _unrollable finds runs _unrolled_forward (an instance
-    forward, so hooks still run); yields the list of (name, module). Restored on exit, error or not."""
-    layers = _unrollable(model)
-    try:
-        for _, module in layers:
-            module.forward = lambda *args, module=module, **kwargs: _unrolled_forward(module, *args, **kwargs)
-        yield layers
-    finally:
-        for _, module in layers:
-            vars(module).pop("forward", None)
+_UNROLLED_CLASSES: dict[type, type] = {}
+
+
+def _unrolled_class(cls: type) -> type:
+    """A subclass of cls, under the same name, whose forward is _unrolled_forward (one per class, kept)."""
+    if cls not in _UNROLLED_CLASSES:
+        _UNROLLED_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": _unrolled_forward, "__module__": cls.__module__,
+                                                            "__doc__": f"{cls.__name__}, computed step by step."})
+    return _UNROLLED_CLASSES[cls]
+
+
+def _shallow_copy(module: nn.Module, cls: type | None = None) -> nn.Module:
+    """A new object of class cls (the module's own by default) sharing the module's attributes, hooks,
+    parameters, buffers and submodules, but with dicts of its own to hold the last three: what is set on
+    the copy (functional_call's tensors, a submodule replaced) never reaches the module."""
+    twin: nn.Module = object.__new__(cls or type(module))  # no __init__ and no __setstate__: nothing runs on the module
+    vars(twin).update(vars(module))
+    for key in ("_parameters", "_buffers", "_modules"):
+        vars(twin)[key] = dict(vars(module)[key])
+    return twin
+
+
+def _unrolled_stand_in(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> nn.Module:
+    """A stand-in for the model with the same parameters, buffers and hooks under the same names, whose
+    recurrent layers (from _unrollable) run _unrolled_forward: each of those layers, and every module on
+    the way to one from the root, is a shallow copy (_shallow_copy); every other module is the model's
+    own. Nothing of the model is written to."""
+    unrolled = {id(module) for _, module in layers}
+    copies: dict[int, nn.Module] = {}  # id(original or copy) -> its copy
+
+    def copy_of(module: nn.Module) -> nn.Module:
+        if id(module) not in copies:
+            twin = _shallow_copy(module, _unrolled_class(type(module)) if id(module) in unrolled else None)
+            copies[id(module)] = copies[id(twin)] = twin
+        return copies[id(module)]
+
+    root = copy_of(model)
+    for name, module in model.named_modules(remove_duplicate=False):  # every path to a layer shared under two names
+        if id(module) in unrolled:
+            parent = root
+            for part in filter(None, name.split(".")):
+                child = copy_of(parent.get_submodule(part))
+                parent._modules[part] = child
+                parent = child
+    return root
+
+
+def _first_line(error: BaseException) -> str:
+    """The exception's type and the first line of its message, for a report."""
+    lines = str(error).strip().splitlines()
+    return type(error).__name__ + (f": {lines[0]}" if lines else "")
 
 
 def _with_fallbacks(model, path, run_vmap, run_loop, reason):
-    """Run run_vmap(), or what can stand in for it: returns (result, PathReport).
+    """Run run_vmap(module) on the model, or what stands in for it: returns (result, PathReport).
 
-    path "general": run_vmap() alone, errors raised. "loop": run_loop() alone. "unroll": run_vmap()
-    with the model's nn.RNN/GRU/LSTM layers computed step by step (_recurrent_unrolled); a ValueError
-    if there are none or they refuse the input. "auto": the unroll where the model has such layers
-    (their fused kernels fail under vmap, so plain vmap is not tried), else plain vmap; where either
-    hits one of vmap's known gaps (_unsupported_by_vmap) or the unroll refuses, the loop. Any other
-    error is raised unchanged. reason: why no faster path ran, kept in the report of the general path.
+    path "general": run_vmap(model) alone, errors raised. "loop": run_loop() alone. "unroll": run_vmap
+    on a stand-in whose nn.RNN/GRU/LSTM layers compute step by step (_unrolled_stand_in; the model
+    itself is never changed); a ValueError if there are none or they refuse the input, any other error
+    raised. "auto": the path is decided from the model's modules before anything runs: the unroll where
+    the model has such layers (their fused kernels fail under vmap, so plain vmap is not tried), else
+    plain vmap. The loop runs only after that raised, whatever the error (no message is inspected), and
+    the report says what was raised; if the loop raises too, its error is raised, chained to vmap's
+    (__cause__). reason: why no faster path ran, kept in the report of the general path.
     """
     if path == "loop":
         return run_loop(), PathReport("loop", reason)
-    layers = _unrollable(model) if path in ("auto", "unroll") else []
+    if path == "general":
+        return run_vmap(model), PathReport("general", reason)
+    layers = _unrollable(model)
     if path == "unroll" and not layers:
         raise ValueError("path='unroll' needs an nn.RNN, nn.GRU or nn.LSTM whose forward is the class's own; the model has none")
     try:
         if not layers:
-            return run_vmap(), PathReport("general", reason)
-        with _recurrent_unrolled(model):
-            result = run_vmap()
+            return run_vmap(model), PathReport("general", reason)
+        result = run_vmap(_unrolled_stand_in(model, layers))
         names = ", ".join(f"{type(m).__name__} {n or '(the model)'}" for n, m in layers)
         return result, PathReport("unroll", f"computed step by step under vmap, which cannot run the fused recurrent kernel: {names}")
     except _CannotUnroll as refusal:
         if path == "unroll":
             raise ValueError(f"the unroll does not apply: {refusal}") from None
-        reason = f"the unroll cannot run this model: {refusal}"
-    except RuntimeError as error:
-        why = _unsupported_by_vmap(error, model)
-        if why is None or path in ("general", "unroll"):
-            raise  # not one of vmap's known gaps: the model's own error, shown as it is
-        reason = f"vmap cannot run this model{' (its recurrent layers unrolled)' if layers else ''}: {why}"
-    return run_loop(), PathReport("loop", reason)
+        vmap_error, reason = refusal, f"the unroll cannot run this model: {refusal}"
+    except Exception as error:
+        if path == "unroll":
+            raise
+        vmap_error, reason = error, f"vmap{' (recurrent layers unrolled)' if layers else ''} raised {_first_line(error)}"
+    try:
+        return run_loop(), PathReport("loop", reason)
+    except Exception as loop_error:
+        raise loop_error from vmap_error

@@ -16,7 +16,7 @@ def output_jacobian(model, inputs, *, chunk_size=None, out=None, path="auto", re
     passes to the layer outputs batched into one, per-example products written into the result)
     runs where a trace of this call establishes that it applies; the general path is
     vmap(jacrev(...)) over the examples, with any nn.RNN/GRU/LSTM computed step by step (the unroll);
-    where vmap meets one of its known gaps (or path="loop"), the loop runs Y backward passes per example.
+    where that raised (or path="loop"), the loop runs Y backward passes per example.
     """
     trainable = _check_model(model, inputs)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
@@ -44,7 +44,7 @@ def output_jacobian(model, inputs, *, chunk_size=None, out=None, path="auto", re
                 return (out, report_) if report else out
         if path == "fast":
             raise ValueError(f"the fast path does not apply: {reason}")
-        run_vmap = lambda: _vmap_jacrev(model, trainable, inputs, chunk_size, out, total)
+        run_vmap = lambda module: _vmap_jacrev(module, trainable, inputs, chunk_size, out, total)
         run_loop = lambda: _loop_jacobian(model, trainable, inputs, out, total)
         result, report_ = _with_fallbacks(model, path, run_vmap, run_loop, reason)  # vmap, the unroll, or the loop
         return (result, report_) if report else result

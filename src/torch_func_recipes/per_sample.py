@@ -52,7 +52,7 @@ def per_sample_grads(model, loss_fn, inputs, targets, *, chunk_size=None, out=No
         is freshly allocated.
     path: "auto" (the fast path where a trace of this call establishes that it applies, else
         vmap(grad(...)), with any nn.RNN/GRU/LSTM computed step by step (the unroll), else, where
-        vmap meets one of its known gaps, the loop), "fast" (raise if it does not apply), "general"
+        that raised, the loop), "fast" (raise if it does not apply), "general"
         (plain vmap(grad(...)) always), "unroll" (vmap with the unroll; raise if it does not apply)
         or "loop" (one autograd call per example: slow, but runs any model autograd can differentiate).
     report: also return a PathReport(path, reason) saying which path ran and why.
@@ -92,8 +92,8 @@ def per_sample_grads(model, loss_fn, inputs, targets, *, chunk_size=None, out=No
         if path == "fast":
             raise ValueError(f"the fast path does not apply: {reason}")
 
-        def run_vmap():
-            grads = _vmap_grad(model, trainable, loss_fn, inputs, targets, chunk_size)
+        def run_vmap(module):  # the model, or the unroll's stand-in for it
+            grads = _vmap_grad(module, trainable, loss_fn, inputs, targets, chunk_size)
             for name, g in grads.items() if out is not None else ():
                 out[name].copy_(g)
             return grads if out is None else out
@@ -260,9 +260,9 @@ def per_sample_grad_norms(model, loss_fn, inputs, targets, *, chunk_size=None, p
             raise ValueError(f"the fast path does not apply: {reason}")
         layers = _covered_linear_layers(model, inputs, trainable)
         streamed = [n for n in trainable if all(n not in own for _, own, _ in layers.values())]
-        # Chapter 3's driver: recurrent layers step by step under vmap; vmap's known gaps, the loop
+        # Chapter 3's driver: recurrent layers step by step under vmap; where vmap raises, the loop
         (squares, ghost, direct), how = _with_fallbacks(
-            model, "auto", lambda: _squared_norms_by_vmap(model, loss_fn, inputs, targets, layers, streamed, chunk_size),
+            model, "auto", lambda module: _squared_norms_by_vmap(module, loss_fn, inputs, targets, layers, streamed, chunk_size),
             lambda: (_squared_norms_by_loop(model, loss_fn, inputs, targets, trainable), [], []), reason)
         path, reason = {"general": "vmap"}.get(how.path, how.path), how.reason
         streamed = list(trainable) if path == "loop" else streamed
@@ -468,11 +468,11 @@ def clipped_noisy_gradient(model, loss_fn, inputs, targets, norms, max_norm, noi
 
 def _reweighted_by_vmap_or_loop(model, loss_fn, inputs, targets, trainable, weights):
     """The gradient of sum_i weights[i] * loss_i, each loss on a batch of one: under vmap (Chapter 3's
-    driver: recurrent layers unrolled), else, on one of vmap's known gaps, one example at a time."""
+    driver: recurrent layers unrolled), else, where that raised, one example at a time."""
     params = list(trainable.values())
 
-    def by_vmap():  # every example's loss on a batch of one, in one batched forward pass, then one backward pass
-        losses = vmap(lambda x, t: loss_fn(model(x[None]), t[None]), randomness="different")(inputs, targets)
+    def by_vmap(module):  # every example's loss on a batch of one, in one batched forward pass, then one backward pass
+        losses = vmap(lambda x, t: loss_fn(module(x[None]), t[None]), randomness="different")(inputs, targets)
         if losses.shape != (len(inputs),):
             raise ValueError(f"loss_fn must return a scalar, the loss of one example; got losses of shape {tuple(losses.shape)}")
         return torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), params, allow_unused=True)
