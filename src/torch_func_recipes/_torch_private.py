@@ -75,6 +75,12 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "maps each module's own parameters by their short names, a parameter registered under two names "
                "included, which named_parameters(recurse=False) would drop as a duplicate",
                "module.named_parameters(recurse=False, remove_duplicate=False)", lambda: nn.Linear(1, 1)),
+    PrivateAPI("Module._modules", "object attribute", ("_vmap_gaps._unrolled_stand_in",),
+               "the unroll's stand-in gives each copied module dicts of its own for its submodules (and, in "
+               "_shallow_copy, by key, for its parameters and buffers) and puts the copied child there, so "
+               "nothing is written to the user's module; register_module would go through __setattr__'s checks "
+               "and is a public way to add, not to replace in a private copy",
+               None, lambda: nn.Sequential(nn.Linear(1, 1))),
     PrivateAPI("Module._forward_hooks", "object attribute", ("per_sample._covered_linear_layers",),
                "no public API says whether a module has forward hooks, which may change its output and so rule "
                "out the direct per-example product",
