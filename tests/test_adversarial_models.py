@@ -57,23 +57,23 @@ def tied():
 CASES = {
     "seed CNN as a class": (SeedCNN(), "fast"),
     "seed MLP as a class": (net(lambda m, x: m.b(F.relu(m.a(x.view(x.shape[0], -1)))), inputs=16), "fast"),
-    "softmax over the batch by dim=-2": (nn.Sequential(*mlp(), nn.LogSoftmax(dim=-2)), "general"),
-    "h - h.mean(0)": (mixing(lambda h: h - h.mean(0)), "general"),
-    "batch statistics by hand": (mixing(lambda h: (h - h.mean(0)) * torch.rsqrt(h.pow(2).mean(0) + 1.0)), "general"),
-    "one layer used twice": (net(lambda m, x: m.b(torch.tanh(m.a(torch.tanh(m.a(x))))), width=6), "general"),
-    "tied weights": (tied(), "general"),
+    "softmax over the batch by dim=-2": (nn.Sequential(*mlp(), nn.LogSoftmax(dim=-2)), "vmap"),
+    "h - h.mean(0)": (mixing(lambda h: h - h.mean(0)), "vmap"),
+    "batch statistics by hand": (mixing(lambda h: (h - h.mean(0)) * torch.rsqrt(h.pow(2).mean(0) + 1.0)), "vmap"),
+    "one layer used twice": (net(lambda m, x: m.b(torch.tanh(m.a(torch.tanh(m.a(x))))), width=6), "vmap"),
+    "tied weights": (tied(), "vmap"),
     "a bare nn.Parameter in forward": (net(lambda m, x: m.b(torch.tanh(m.a(x)) * m.scale),
-                                           scale=nn.Parameter(torch.linspace(0.5, 1.5, 8))), "general"),
-    "a weight used outside its layer": (net(lambda m, x: m.b(torch.tanh(m.a(x))) + 0.1 * (x @ m.a.weight.T)[:, :3]), "general"),
+                                           scale=nn.Parameter(torch.linspace(0.5, 1.5, 8))), "vmap"),
+    "a weight used outside its layer": (net(lambda m, x: m.b(torch.tanh(m.a(x))) + 0.1 * (x @ m.a.weight.T)[:, :3]), "vmap"),
     "forward hook that changes an output": (
         mlp(lambda m: m[0].register_forward_hook(lambda module, args, output: 2.0 * output + 1.0)), "fast"),
     "forward hook that changes an output in place": (
-        mlp(lambda m: m[0].register_forward_hook(lambda module, args, output: output.mul_(2.0))), "general"),
-    "in-place ReLU": (nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)), "general"),
-    "in-place add": (net(lambda m, x: m.b(torch.tanh(m.a(x).add_(1.0)))), "general"),
+        mlp(lambda m: m[0].register_forward_hook(lambda module, args, output: output.mul_(2.0))), "vmap"),
+    "in-place ReLU": (nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)), "vmap"),
+    "in-place add": (net(lambda m, x: m.b(torch.tanh(m.a(x).add_(1.0)))), "vmap"),
     "frozen parameters": (mlp(lambda m: m[0].weight.requires_grad_(False), lambda m: m[2].bias.requires_grad_(False)), "fast"),
-    "a roll through the flattened batch": (mixing(lambda h: h.reshape(-1).roll(8).reshape(h.shape)), "general"),
-    "torch.roll over the batch": (mixing(lambda h: torch.roll(h, 1, dims=0)), "general"),
+    "a roll through the flattened batch": (mixing(lambda h: h.reshape(-1).roll(8).reshape(h.shape)), "vmap"),
+    "torch.roll over the batch": (mixing(lambda h: torch.roll(h, 1, dims=0)), "vmap"),
 }
 INPUTS = {"seed CNN as a class": randn(6, 1, 14, 14), "seed MLP as a class": randn(6, 1, 4, 4)}
 X = randn(6, 6)
@@ -98,7 +98,7 @@ def test_recipes_equal_the_loop(recipes, name):
 
 
 def test_the_adversarial_models_differ_from_the_fast_paths_arithmetic(recipes):
-    """The models sent to the general path really would be wrong on the fast path: forcing the
+    """The models sent to the vmap path really would be wrong on the fast path: forcing the
     layer products onto a model that mixes examples gives a different answer (so the tests above
     can fail)."""
     model, x, _ = case("h - h.mean(0)")
@@ -138,7 +138,7 @@ VMAP_CANNOT_RUN = {  # the trace refuses these and vmap raises on them; one exam
 @pytest.mark.parametrize("name", list(VMAP_CANNOT_RUN))
 def test_models_vmap_cannot_run_take_the_loop(recipes, name):
     """With path="auto", whatever vmap raised, the loop runs, and the report names what vmap raised;
-    with path="general", vmap's own error is raised, as vmap(grad) raises it."""
+    with path="vmap", vmap's own error is raised, as vmap(grad) raises it."""
     model = VMAP_CANNOT_RUN[name].double()
     got, report = recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, report=True)
     expected = loop_per_sample(model, X, TARGETS)
@@ -151,9 +151,9 @@ def test_models_vmap_cannot_run_take_the_loop(recipes, name):
     assert report.path == "loop" and report.reason.startswith("vmap raised RuntimeError: "), report
     assert close(norms, torch.stack([torch.cat([g[n].flatten() for g in expected.values()]).norm() for n in range(len(X))]))
     with pytest.raises(RuntimeError):
-        recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, path="general")
+        recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, path="vmap")
     with pytest.raises(RuntimeError):
-        recipes["output_jacobian"](model, X, path="general")
+        recipes["output_jacobian"](model, X, path="vmap")
 
 
 def vmap_error_of(model):
@@ -165,11 +165,11 @@ def vmap_error_of(model):
     return type(raised.value), str(raised.value)
 
 
-def test_the_general_path_raises_vmaps_error_unchanged(recipes):
+def test_the_vmap_path_raises_vmaps_error_unchanged(recipes):
     model = net(branching, strict=False).double()
     expected = vmap_error_of(model)
     with pytest.raises(Exception) as raised:
-        recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, path="general")
+        recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, path="vmap")
     assert (type(raised.value), str(raised.value)) == expected and raised.value.__cause__ is None
 
 

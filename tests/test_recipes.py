@@ -162,7 +162,7 @@ def real_models():
     return {  # a head on the last output and the final states (RecurrentHead): the unroll's states are checked too
         "transformer": (Model(tiny_transformer, embed=nn.Embedding(11, 8),
                               encoder=nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True),
-                              head=nn.Linear(8, 3)).double(), tokens, "general"),
+                              head=nn.Linear(8, 3)).double(), tokens, "vmap"),
         "LSTM": (RecurrentHead(nn.LSTM(3, 6, batch_first=True)).double(), data(5, 4, 3), "unroll"),
         "GRU": (RecurrentHead(nn.GRU(3, 6, batch_first=True)).double(), data(5, 4, 3), "unroll"),
         "checkpoint, linear only": (checkpointed(False).double(), data(5, 6), "fast"),
@@ -176,16 +176,16 @@ ALL_MODELS = {**{name: (model, x, None) for name, (model, x) in ZOO.items()}, **
 
 
 def check_paths(call, same, expected_path):
-    """The path a recipe takes on its own, chunks, the loop, and the general path: all equal to the loop, but
-    where vmap alone cannot run the model, the general path raises (the fallback is what makes these work)."""
+    """The path a recipe takes on its own, chunks, the loop, and the vmap path: all equal to the loop, but
+    where vmap alone cannot run the model, the vmap path raises (the fallback is what makes these work)."""
     got, report = call(report=True)
     assert same(got) and report.path == (expected_path or report.path), report
     assert same(call(chunk_size=2)) and same(call(path="loop"))
-    if expected_path in (None, "general"):
-        assert same(call(path="general"))
+    if expected_path in (None, "vmap"):
+        assert same(call(path="vmap"))
     elif expected_path in ("loop", "unroll"):
         with pytest.raises(RuntimeError):
-            call(path="general")
+            call(path="vmap")
     if expected_path == "unroll":  # forced
         assert same(call(path="unroll"))
 
@@ -286,8 +286,6 @@ def test_the_unroll_never_changes_the_users_model(recipes, kind):
              "per_sample_grad_norms": lambda **o: recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, **o)}
     for name, call in calls.items():
         for broken, path in [(False, "auto"), (True, "auto"), (True, "unroll")]:
-            if name == "per_sample_grad_norms" and path == "unroll":
-                continue  # it has no path="unroll"
             model.broken, seen[:] = broken, []
             if broken:
                 with pytest.raises(ValueError, match="broken on purpose"):

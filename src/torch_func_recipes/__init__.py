@@ -5,13 +5,14 @@ Every function here is the one a chapter teaches in a cell tagged `recipe`, unch
 
 - transforms (Chapters 1 and 2): pairwise, jacobian_via_vjp, hvp
 - per_sample (Chapters 3 and 11): per_sample_grads, clip_and_noise, per_sample_grad_norms,
-  clipped_noisy_gradient, NormsReport
+  clipped_noisy_gradient
 - output_jacobians (Chapter 4): output_jacobian, split_by_parameter, empirical_ntk
 - ensembles (Chapter 5): stack_models
 - curvature (Chapter 10): param_hvp, ggn_vp, empirical_fisher_vp, ggn_diagonal, hessian_trace,
   hessian_diagonal, top_hessian_eigenvalues, gauss_newton_step, conjugate_gradient, influence_scores
 - migration (Chapter 12): named_like_parameters
-- PathReport, which path a recipe call took (from the private _trace module, shared by Chapters 3, 4 and 11)
+- PathReport, which path a recipe call took ("fast", "vmap", "unroll" or "loop") and why (from the private
+  _trace module, shared by Chapters 3, 4 and 11)
 """
 
 from ._trace import PathReport
@@ -30,13 +31,12 @@ from .curvature import (
 from .ensembles import stack_models
 from .migration import named_like_parameters
 from .output_jacobians import empirical_ntk, output_jacobian, split_by_parameter
-from .per_sample import NormsReport, clip_and_noise, clipped_noisy_gradient, per_sample_grad_norms, per_sample_grads
+from .per_sample import clip_and_noise, clipped_noisy_gradient, per_sample_grad_norms, per_sample_grads
 from .transforms import hvp, jacobian_via_vjp, pairwise
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "NormsReport",
     "PathReport",
     "clip_and_noise",
     "clipped_noisy_gradient",

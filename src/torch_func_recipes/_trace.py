@@ -17,9 +17,25 @@ from torch.utils._pytree import tree_flatten
 
 
 class PathReport(NamedTuple):
-    """Which path a recipe call took ("fast", "general", "unroll", "loop" or "none"), and why."""
+    """Which path a recipe call took ("fast", "vmap", "unroll", "loop", or "none" for an empty batch), and
+    why. per_sample_grad_norms also says how it got each parameter's share of the norms (None elsewhere):
+    ghost, weights by pairs of tokens; direct, weights by their per-example product, and biases; streamed,
+    every other parameter, by its per-example gradient."""
     path: str
     reason: str
+    ghost: list | None = None
+    direct: list | None = None
+    streamed: list | None = None
+
+
+_PATHS = ("auto", "fast", "vmap", "unroll", "loop")
+
+
+def _check_path(path: str) -> None:
+    """The one check of every recipe's path argument: "auto" (the recipe chooses), or a path to take as
+    asked, or raise: "fast", "vmap" (plain vmap), "unroll" (vmap, recurrent layers step by step), "loop"."""
+    if not isinstance(path, str) or path not in _PATHS:
+        raise ValueError(f"path must be one of {', '.join(map(repr, _PATHS))}, got {path!r}")
 
 
 class _NotPerExample(Exception):

@@ -177,25 +177,25 @@ def _first_line(error: BaseException) -> str:
 def _with_fallbacks(model, path, run_vmap, run_loop, reason):
     """Run run_vmap(module) on the model, or what stands in for it: returns (result, PathReport).
 
-    path "general": run_vmap(model) alone, errors raised. "loop": run_loop() alone. "unroll": run_vmap
+    path "vmap": run_vmap(model) alone, errors raised. "loop": run_loop() alone. "unroll": run_vmap
     on a stand-in whose nn.RNN/GRU/LSTM layers compute step by step (_unrolled_stand_in; the model
     itself is never changed); a ValueError if there are none or they refuse the input, any other error
     raised. "auto": the path is decided from the model's modules before anything runs: the unroll where
     the model has such layers (their fused kernels fail under vmap, so plain vmap is not tried), else
     plain vmap. The loop runs only after that raised, whatever the error (no message is inspected), and
     the report says what was raised; if the loop raises too, its error is raised, chained to vmap's
-    (__cause__). reason: why no faster path ran, kept in the report of the general path.
+    (__cause__). reason: why no faster path ran, kept in the report of the vmap path.
     """
     if path == "loop":
         return run_loop(), PathReport("loop", reason)
-    if path == "general":
-        return run_vmap(model), PathReport("general", reason)
+    if path == "vmap":
+        return run_vmap(model), PathReport("vmap", reason)
     layers = _unrollable(model)
     if path == "unroll" and not layers:
         raise ValueError("path='unroll' needs an nn.RNN, nn.GRU or nn.LSTM whose forward is the class's own; the model has none")
     try:
         if not layers:
-            return run_vmap(model), PathReport("general", reason)
+            return run_vmap(model), PathReport("vmap", reason)
         result = run_vmap(_unrolled_stand_in(model, layers))
         names = ", ".join(f"{type(m).__name__} {n or '(the model)'}" for n, m in layers)
         return result, PathReport("unroll", f"computed step by step under vmap, which cannot run the fused recurrent kernel: {names}")

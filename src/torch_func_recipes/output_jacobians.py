@@ -3,7 +3,7 @@
 import torch
 from torch.func import functional_call, jacrev, vmap
 
-from ._trace import PathReport, _check_model, _fast_path_screen, _im2col, _traced_forward
+from ._trace import PathReport, _check_model, _check_path, _fast_path_screen, _im2col, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
@@ -14,15 +14,14 @@ def output_jacobian(model, inputs, *, chunk_size=None, out=None, path="auto", re
     chunk_size: process this many examples at a time. out: an optional (B, Y, P) tensor to write into
     (and return). path and report as for per_sample_grads: the fast path (one forward pass, Y backward
     passes to the layer outputs batched into one, per-example products written into the result)
-    runs where a trace of this call establishes that it applies; the general path is
+    runs where a trace of this call establishes that it applies; the vmap path is
     vmap(jacrev(...)) over the examples, with any nn.RNN/GRU/LSTM computed step by step (the unroll);
     where that raised (or path="loop"), the loop runs Y backward passes per example.
     """
     trainable = _check_model(model, inputs)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
-    if path not in ("auto", "fast", "general", "unroll", "loop"):
-        raise ValueError(f"path must be 'auto', 'fast', 'general', 'unroll' or 'loop', got {path!r}")
+    _check_path(path)
     batch = inputs.shape[0]
     if batch == 0:
         raise ValueError("inputs hold no examples (a batch of 0): the number of outputs Y is not known")
@@ -31,7 +30,7 @@ def output_jacobian(model, inputs, *, chunk_size=None, out=None, path="auto", re
         if inputs.is_inference():
             inputs = inputs.clone()
         step = chunk_size or batch
-        reason = f"path={path!r} was asked for" if path in ("general", "unroll", "loop") else _fast_path_screen(model, trainable)
+        reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable)
         if reason is None:
             start = 0
             while start < batch and reason is None:

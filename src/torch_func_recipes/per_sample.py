@@ -6,7 +6,6 @@ gradients) and clipped_noisy_gradient (the DP-SGD step from those norms).
 """
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 from torch.overrides import TorchFunctionMode
 
-from ._trace import PathReport, _check_model, _fast_path_screen, _im2col, _losses_of_each, _traced_forward
+from ._trace import PathReport, _check_model, _check_path, _fast_path_screen, _im2col, _losses_of_each, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
@@ -52,9 +51,9 @@ def per_sample_grads(model, loss_fn, inputs, targets, *, chunk_size=None, out=No
         is freshly allocated.
     path: "auto" (the fast path where a trace of this call establishes that it applies, else
         vmap(grad(...)), with any nn.RNN/GRU/LSTM computed step by step (the unroll), else, where
-        that raised, the loop), "fast" (raise if it does not apply), "general"
-        (plain vmap(grad(...)) always), "unroll" (vmap with the unroll; raise if it does not apply)
-        or "loop" (one autograd call per example: slow, but runs any model autograd can differentiate).
+        that raised, the loop), "fast" (raise if it does not apply), "vmap" (plain vmap(grad(...)),
+        its errors raised), "unroll" (vmap with the unroll; raise if it does not apply) or "loop" (one
+        autograd call per example: slow, but runs any model autograd can differentiate).
     report: also return a PathReport(path, reason) saying which path ran and why.
     """
     trainable = _check_model(model, inputs)
@@ -62,8 +61,7 @@ def per_sample_grads(model, loss_fn, inputs, targets, *, chunk_size=None, out=No
         raise ValueError(f"targets must be a tensor with one row per example ({inputs.shape[0]} examples)")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
-    if path not in ("auto", "fast", "general", "unroll", "loop"):
-        raise ValueError(f"path must be 'auto', 'fast', 'general', 'unroll' or 'loop', got {path!r}")
+    _check_path(path)
     batch = inputs.shape[0]
     if out is not None:
         for name, p in trainable.items():
@@ -76,7 +74,7 @@ def per_sample_grads(model, loss_fn, inputs, targets, *, chunk_size=None, out=No
         if batch == 0:
             result = out or {name: p.new_empty((0, *p.shape)) for name, p in trainable.items()}
             return (result, PathReport("none", "the batch is empty")) if report else result
-        reason = f"path={path!r} was asked for" if path in ("general", "unroll", "loop") else _fast_path_screen(model, trainable)
+        reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable)
         if reason is None:
             result = out if out is not None else {name: p.new_empty((batch, *p.shape)) for name, p in trainable.items()}
             step = chunk_size or batch
@@ -174,15 +172,6 @@ def clip_and_noise(per_sample, max_norm, noise_multiplier, generator=None, *, ex
     return private
 
 
-class NormsReport(NamedTuple):
-    """How per_sample_grad_norms got each parameter's share of the norms, and why it took that path."""
-    path: str       # "fast" (one traced batched pass), "vmap" (batched over examples), "unroll" (vmap, recurrent layers step by step) or "loop"
-    ghost: list     # weights by pairs of tokens (positions, ids): (a a^T) * (g g^T)
-    direct: list    # weights by their per-example product (g^T a, sum of g * x_hat: cheaper here), and biases
-    streamed: list  # every other parameter: its per-example gradient, chunk_size examples at a time
-    reason: str = ""  # what the trace showed, or why the fast path did not apply
-
-
 class _ParameterUses(TorchFunctionMode):
     """Records, for one forward pass, every torch call that takes a trainable parameter."""
 
@@ -227,8 +216,10 @@ def per_sample_grad_norms(model, loss_fn, inputs, targets, *, chunk_size=None, p
     without holding the (B, P) per-example gradients. loss_fn(predictions, targets) receives a batch of
     one and returns that example's scalar loss, as in per_sample_grads. chunk_size bounds how many
     examples are processed at once. path: "auto" (the fast path, one batched forward and backward pass,
-    where a trace of this call shows it exact; else vmap; else the loop), "fast" (raise if it does not
-    apply) or "vmap". report=True also returns a NormsReport saying how each parameter was handled."""
+    where a trace of this call shows it exact; else vmap, with any nn.RNN/GRU/LSTM unrolled; where that
+    raised, the loop), or one path taken as asked, as in per_sample_grads: "fast", "vmap", "unroll" (each
+    raises where it does not apply) or "loop". report=True also returns a PathReport saying which path ran,
+    why, and how each parameter's share was found (its ghost, direct and streamed lists)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
@@ -237,8 +228,7 @@ def per_sample_grad_norms(model, loss_fn, inputs, targets, *, chunk_size=None, p
         raise ValueError(f"targets must be a tensor with one row per example ({len(inputs)} examples)")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
-    if path not in ("auto", "fast", "vmap"):
-        raise ValueError(f"path must be 'auto', 'fast' or 'vmap', got {path!r}")
+    _check_path(path)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not trainable:
         raise ValueError("the model has no parameters that require grad")
@@ -247,27 +237,27 @@ def per_sample_grad_norms(model, loss_fn, inputs, targets, *, chunk_size=None, p
             inputs, targets = inputs.clone(), targets.clone()
         if len(inputs) == 0:
             norms = next(iter(trainable.values())).new_zeros(0)
-            return (norms, NormsReport("none", [], [], [], "the batch is empty")) if report else norms
-        reason = "path='vmap' was asked for" if path == "vmap" else _fast_path_screen(model, trainable, ("layer_norm", "embedding"))
+            return (norms, PathReport("none", "the batch is empty", [], [], [])) if report else norms
+        reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable, ("layer_norm", "embedding"))
         if reason is None:
             found, reason = _squared_norms_fast(model, loss_fn, inputs, targets, trainable, chunk_size)
             if found is not None:
                 squares, ghost, direct = found
                 why = "a trace of the forward pass showed every operation keeps the examples apart"
                 norms = squares.clamp(min=0).sqrt()
-                return (norms, NormsReport("fast", ghost, direct, [], why)) if report else norms
+                return (norms, PathReport("fast", why, ghost, direct, [])) if report else norms
         if path == "fast":
             raise ValueError(f"the fast path does not apply: {reason}")
-        layers = _covered_linear_layers(model, inputs, trainable)
+        layers = {} if path == "loop" else _covered_linear_layers(model, inputs, trainable)
         streamed = [n for n in trainable if all(n not in own for _, own, _ in layers.values())]
-        # Chapter 3's driver: recurrent layers step by step under vmap; where vmap raises, the loop
+        # Chapter 3's driver: the path asked for, or recurrent layers step by step under vmap; where vmap raises, the loop
         (squares, ghost, direct), how = _with_fallbacks(
-            model, "auto", lambda module: _squared_norms_by_vmap(module, loss_fn, inputs, targets, layers, streamed, chunk_size),
+            model, path, lambda module: _squared_norms_by_vmap(module, loss_fn, inputs, targets, layers, streamed, chunk_size),
             lambda: (_squared_norms_by_loop(model, loss_fn, inputs, targets, trainable), [], []), reason)
-        path, reason = {"general": "vmap"}.get(how.path, how.path), how.reason
+        path, reason = how.path, how.reason
         streamed = list(trainable) if path == "loop" else streamed
     norms = squares.clamp(min=0).sqrt()
-    return (norms, NormsReport(path, ghost, direct, streamed, reason)) if report else norms
+    return (norms, PathReport(path, reason, ghost, direct, streamed)) if report else norms
 
 
 def _layer_squares(layer, g, batch):
@@ -432,13 +422,16 @@ def _squared_norms_by_loop(model, loss_fn, inputs, targets, trainable):
 
 
 def clipped_noisy_gradient(model, loss_fn, inputs, targets, norms, max_norm, noise_multiplier, generator=None, *,
-                           expected_batch_size=None):
+                           expected_batch_size=None, path="auto", report=False):
     """The DP-SGD gradient from per-example gradient norms, {name: tensor of shape *param.shape}:
     (sum_i min(1, max_norm / (norms[i] + 1e-6)) * g_i + N(0, (noise_multiplier * max_norm)^2)) / B,
     the same arithmetic as Chapter 3's clip_and_noise, but from one backward pass of the reweighted
     loss sum_i min(1, C / n_i) * loss_i, so no (B, *shape) tensor is held. norms: from
     per_sample_grad_norms on the same model and batch. Noise is drawn on the CPU from `generator` and
-    moved; B is expected_batch_size when given (Poisson sampling)."""
+    moved; B is expected_batch_size when given (Poisson sampling). path and report as in
+    per_sample_grad_norms: the backward pass runs from the batched forward pass where a trace shows it
+    exact ("fast"), else from vmap's ("vmap", "unroll"), else from one forward pass per example ("loop")."""
+    _check_path(path)
     if not isinstance(norms, torch.Tensor) or norms.shape != (len(inputs),):
         raise ValueError(f"norms must be a ({len(inputs)},) tensor, one norm per example")
     if not max_norm > 0:
@@ -452,23 +445,29 @@ def clipped_noisy_gradient(model, loss_fn, inputs, targets, norms, max_norm, noi
     weights = (max_norm / (norms.detach() + 1e-6)).clamp(max=1.0)
     with torch.inference_mode(False), torch.enable_grad():
         output = None
-        if _fast_path_screen(model, trainable, ("layer_norm", "embedding")) is None:  # the plain batched forward, where a trace shows it exact
-            output, _, _ = _traced_forward(model, inputs, trainable, ("layer_norm", "embedding"))
+        reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(
+            model, trainable, ("layer_norm", "embedding"))
+        if reason is None:  # the plain batched forward, where a trace shows it exact
+            output, _, reason = _traced_forward(model, inputs, trainable, ("layer_norm", "embedding"))
         if output is not None:
             losses = _losses_of_each(loss_fn, output, targets)
             grads = torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), list(trainable.values()), allow_unused=True)
+            how = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
+        elif path == "fast":
+            raise ValueError(f"the fast path does not apply: {reason}")
         else:
-            grads = _reweighted_by_vmap_or_loop(model, loss_fn, inputs, targets, trainable, weights)
+            grads, how = _reweighted_by_vmap_or_loop(model, loss_fn, inputs, targets, trainable, weights, path, reason)
     result = {}
     for (name, p), g in zip(trainable.items(), grads):
         noise = torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device)
         result[name] = ((torch.zeros_like(p) if g is None else g) + noise_multiplier * max_norm * noise) / divisor
-    return result
+    return (result, how) if report else result
 
 
-def _reweighted_by_vmap_or_loop(model, loss_fn, inputs, targets, trainable, weights):
-    """The gradient of sum_i weights[i] * loss_i, each loss on a batch of one: under vmap (Chapter 3's
-    driver: recurrent layers unrolled), else, where that raised, one example at a time."""
+def _reweighted_by_vmap_or_loop(model, loss_fn, inputs, targets, trainable, weights, path, reason):
+    """The gradient of sum_i weights[i] * loss_i, each loss on a batch of one, and its PathReport: under vmap
+    (Chapter 3's driver: the path asked for, or recurrent layers unrolled), else, where that raised, one
+    example at a time."""
     params = list(trainable.values())
 
     def by_vmap(module):  # every example's loss on a batch of one, in one batched forward pass, then one backward pass
@@ -481,4 +480,4 @@ def _reweighted_by_vmap_or_loop(model, loss_fn, inputs, targets, trainable, weig
         weighted = sum(w * loss_fn(model(inputs[n : n + 1]), targets[n : n + 1]) for n, w in enumerate(weights))
         return torch.autograd.grad(weighted, params, allow_unused=True)
 
-    return _with_fallbacks(model, "auto", by_vmap, by_loop, "")[0]
+    return _with_fallbacks(model, path, by_vmap, by_loop, reason)
