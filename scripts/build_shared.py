@@ -49,7 +49,7 @@ def as_cell(module_source: str) -> str:
     return re.sub(r"\n{4,}", "\n\n\n", kept).strip("\n") + "\n"  # at most two blank lines where lines went
 
 
-def source_path(name: str, root: Path = ROOT) -> str:
+def source_path(name: str) -> str:
     """Where shared-<name> comes from, relative to the repository root."""
     return f"src/torch_func_recipes/{PACKAGE_MODULES[name]}" if name in PACKAGE_MODULES else f"book/_shared/{name}.py"
 

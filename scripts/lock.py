@@ -77,8 +77,15 @@ def problems(pins: dict[str, str], found: dict[str, str], partial: bool) -> list
     return out
 
 
-def write(lock: Path = LOCK, source: str = "requirements*.txt or\n# constraints.txt", target: str = "make lock",
-          torch_from: str = "constraints.txt") -> None:
+# Each lock: the make target that writes it, what it is made from, and where torch's release comes from.
+LOCKS = {
+    "requirements.lock": ("make lock", "requirements*.txt or constraints.txt", "constraints.txt"),
+    "colab-packages.lock": ("make colab-lock", "colab-packages.txt", "colab-packages.txt"),
+}
+
+
+def write(lock: Path = LOCK) -> None:
+    target, source, torch_from = LOCKS[lock.name]
     frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--all"], check=True, capture_output=True,
                             text=True).stdout.splitlines()
     lines = sorted((line for line in frozen if "==" in line and locked(line.split("==")[0])), key=str.lower)
@@ -101,11 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lock", type=Path, default=LOCK, help="the lock file (default: requirements.lock)")
     args = parser.parse_args(argv)
     if args.command == "write":
-        if args.lock.resolve() == LOCK:
-            write(args.lock)
-        else:
-            write(args.lock, source=f"{args.lock.stem}.txt", target=f"make {args.lock.stem.split('-')[0]}-lock",
-                  torch_from=f"{args.lock.stem}.txt")
+        write(args.lock)
         return 0
     found = problems(read(args.lock), installed(), args.partial)
     if found:

@@ -15,9 +15,8 @@ both ways:
 The other modules do not import this one: their code is the chapters' code, identical to the cells
 tagged `recipe` (tests/test_package.py), so they keep their own imports and this module is the
 register the tests read. It defines no function or class (tests/test_package.py would look for one
-in the chapters). Not listed: the text of torch's error messages that _vmap_gaps._unsupported_by_vmap
-recognises (one of them names torch.utils.checkpoint's internal _NoopSaveInputs); those are not
-APIs, and tests/test_recipes.py runs every gap it recognises against the installed torch.
+in the chapters). No torch error message appears here: the package reads none (the fall-back from
+vmap to the loop follows any exception, _vmap_gaps._with_fallbacks).
 
 Entry fields: `name`, how the test resolves it, by kind:
 
