@@ -10,7 +10,8 @@
 #   make sync                                  bring every .md/.ipynb pair in sync (the hook, run until it passes)
 #   make outputs [NB=book/01_vmap_basics.md]   re-execute notebooks and store their outputs
 #   make recipe-box                            regenerate book/08_recipe_box.md from the chapters' recipe cells
-#   make shared                                copy book/_shared/*.py and two package modules into the cells tagged shared-<name>
+#   make shared                                copy book/_shared/*.py and package modules into the cells tagged shared-<name>,
+#                                              and the package's definitions into the chapters' recipe cells
 #   make lock                                  regenerate requirements.lock from requirements*.txt and constraints.txt
 #   make colab-check [NB=book/03_...ipynb]     each notebook alone, as in Colab (.venv-colab: colab-packages.lock)
 #   make colab-lock                            regenerate colab-packages.lock from colab-packages.txt

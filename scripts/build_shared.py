@@ -16,6 +16,11 @@ fails when a copy drifts. A copy comes from one of two places:
   imports are kept: they rebind torch, nn, F and the rest to the objects a notebook already has, so
   they are harmless there, and they make the cell runnable on its own.
 
+The script also keeps the chapters' cells tagged `recipe` equal to the package: each function or class
+such a cell defines is rewritten with the package's text of that definition (tests/test_package.py
+fails when the two differ in anything but comments and formatting). The rest of the cell (imports,
+notes between definitions) is the chapter's own.
+
 Edit the source file, run this script, then re-execute the notebooks that use it (make outputs NB=...).
 """
 from __future__ import annotations
@@ -108,6 +113,62 @@ def sync(root: Path = ROOT, write: bool = True) -> list[str]:
     return stale
 
 
+RECIPE_BOX = "08_recipe_box"
+DEFINITION = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _spans(source: str) -> dict[str, tuple[int, int]]:
+    """{name: (first line, last line), 0-based, decorators included} of every top-level definition."""
+    return {node.name: (min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1, node.end_lineno or node.lineno)
+            for node in ast.parse(source).body if isinstance(node, DEFINITION)}
+
+
+def package_texts(package: Path = PACKAGE) -> dict[str, str]:
+    """{name: source text} of every top-level function and class of the package's modules."""
+    texts = {}
+    for path in sorted(package.glob("*.py")):
+        lines = path.read_text().splitlines()
+        for name, (first, last) in _spans(path.read_text()).items():
+            texts[name] = "\n".join(lines[first:last])
+    return texts
+
+
+def recipe_cell_source(source: str, texts: dict[str, str]) -> str:
+    """The cell's source with every definition the package also has replaced by the package's text."""
+    lines = source.splitlines()
+    for name, (first, last) in sorted(_spans(source).items(), key=lambda item: -item[1][0]):
+        if name in texts:
+            lines[first:last] = texts[name].splitlines()
+    return "\n".join(lines)
+
+
+def sync_recipes(root: Path = ROOT, write: bool = True, package: Path = PACKAGE) -> list[str]:
+    """Return 'file: cell N (recipe)' for every recipe cell whose definitions differ from the package's text;
+    rewrite them when write is set."""
+    texts = package_texts(package)
+    stale = []
+    for path in notebooks(root):
+        if path.stem == RECIPE_BOX:  # generated from the chapters by scripts/build_recipe_box.py
+            continue
+        is_md = path.suffix == ".md"
+        notebook = jupytext.read(path) if is_md else nbformat.read(path, as_version=4)
+        changed = False
+        for index, cell in enumerate(notebook.cells):
+            if cell.cell_type != "code" or "recipe" not in cell.metadata.get("tags", []):
+                continue
+            wanted = recipe_cell_source(cell.source, texts)
+            if cell.source != wanted:
+                stale.append(f"{path.relative_to(root)}: cell {index} (recipe)")
+                cell.source = wanted
+                changed = True
+        if changed and write:
+            if is_md:
+                jupytext.write(notebook, path, fmt="md:myst")
+            else:
+                nbformat.write(notebook, path)
+    return stale
+
+
 if __name__ == "__main__":
-    for line in sync():
+    for line in sync() + sync_recipes():
         print("rewrote: " + line)

@@ -35,3 +35,20 @@ def test_drift_is_detected(tmp_path):
     assert len(stale) == 1 and stale[0].startswith(f"book/{target.name}: cell")
     build.sync(tmp_path, write=True)
     assert build.sync(tmp_path, write=False) == []
+
+
+def test_recipe_cells_carry_the_package_text_and_a_drifted_one_is_rewritten(tmp_path):
+    """Every definition in a chapter's recipe cell is the package's text, comments included (test_package
+    compares syntax trees; this compares text, so `make shared` is what keeps them equal). A cell edited by
+    hand is named, and the sync puts the package's text back."""
+    stale = build.sync_recipes(write=False)
+    assert not stale, "run: python -m scripts.build_shared; stale recipe cells: " + ", ".join(stale)
+    shutil.copytree(BOOK, tmp_path / "book")
+    chapter = tmp_path / "book" / "02_jacobians_hessians.md"
+    text = chapter.read_text()
+    edited = "return 2 * jvp(grad(scalar_f), (x,), (v,))[1]"
+    chapter.write_text(text.replace("return jvp(grad(scalar_f), (x,), (v,))[1]", edited, 1))
+    stale = build.sync_recipes(tmp_path, write=False)
+    assert len(stale) == 1 and stale[0].startswith("book/02_jacobians_hessians.md: cell")
+    build.sync_recipes(tmp_path, write=True)
+    assert build.sync_recipes(tmp_path, write=False) == [] and edited not in chapter.read_text()
