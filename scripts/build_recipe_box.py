@@ -120,9 +120,13 @@ print(matches(empirical_ntk(tiny, xs[:2], xs[:3]), torch.einsum("aip,bjp->abij",
     "11_real_models.md": '''\
 norms, how = per_sample_grad_norms(tiny, F.mse_loss, xs, ys, report=True)  # no (B, P) tensor held
 print(how.path, matches(norms, torch.cat([g.flatten(1) for g in per_example.values()], dim=1).norm(dim=1)))
-step = clipped_noisy_gradient(tiny, F.mse_loss, xs, ys, norms, max_norm=0.1, noise_multiplier=0.0)
+step = clipped_noisy_gradient(tiny, F.mse_loss, xs, ys, max_norm=0.1, noise_multiplier=0.0)  # norms computed inside
 scale = (0.1 / (norms + 1e-6)).clamp(max=1.0)
-print(all(matches(step[n], (per_example[n] * scale.view(-1, *[1] * (g.dim() - 1))).sum(0) / len(xs)) for n, g in per_example.items()))''',
+print(all(matches(step[n], (per_example[n] * scale.view(-1, *[1] * (g.dim() - 1))).sum(0) / len(xs)) for n, g in per_example.items()))
+halves = [clipped_grad_sum(tiny, F.mse_loss, xs[rows], ys[rows], max_norm=0.1) for rows in (slice(0, 2), slice(2, None))]
+accumulated = noised_mean({n: halves[0][n] + halves[1][n] for n in step}, max_norm=0.1, noise_multiplier=0.0,
+                          expected_batch_size=len(xs))  # two micro-batches, one step
+print(all(matches(accumulated[n], step[n]) for n in step))''',
     "10_curvature.md": '''\
 # F.mse_loss's mean fails under forward-over-reverse in torch 2.13 (pytorch/pytorch#123996): the same loss, written out
 mse = lambda out, y: ((out - y) ** 2).mean()

@@ -104,7 +104,7 @@ def test_the_adversarial_models_differ_from_the_fast_paths_arithmetic(recipes):
     model, x, _ = case("h - h.mean(0)")
     trainable = dict(model.named_parameters())
     out = {name: torch.empty((6, *p.shape), dtype=p.dtype) for name, p in trainable.items()}
-    tracer = recipes["_BatchTrace"](6, x, trainable)
+    tracer = recipes["_BatchTrace"](6, [x], trainable)
     tracer.fail = lambda why: None  # a trace that never objects
     with tracer:
         output = model(x)

@@ -62,7 +62,8 @@ RECIPES = {
     "output_jacobian": lambda model, x, **o: output_jacobian(model, x, **o),
     "per_sample_grad_norms": lambda model, x, **o: per_sample_grad_norms(model, F.cross_entropy, x, TARGETS, **o),
     "clipped_noisy_gradient": lambda model, x, **o: clipped_noisy_gradient(
-        model, F.cross_entropy, x, TARGETS, torch.linspace(0.5, 2.0, len(x), dtype=x.dtype), 1.0, 0.0, **o),
+        model, F.cross_entropy, x, TARGETS, norms=torch.linspace(0.5, 2.0, len(x), dtype=x.dtype), max_norm=1.0,
+        noise_multiplier=0.0, **o),
 }
 
 

@@ -4,8 +4,8 @@ Every function here is the one a chapter teaches in a cell tagged `recipe`, unch
 (tests/test_package.py checks that the two stay identical):
 
 - transforms (Chapters 1 and 2): pairwise, jacobian_via_vjp, hvp
-- per_sample (Chapters 3 and 11): per_sample_grads, clip_and_noise, per_sample_grad_norms,
-  clipped_noisy_gradient
+- per_sample (Chapters 3 and 11): per_sample_grads, clip_and_noise, noised_mean, per_sample_grad_norms,
+  clipped_noisy_gradient, clipped_grad_sum
 - output_jacobians (Chapter 4): output_jacobian, split_by_parameter, empirical_ntk
 - ensembles (Chapter 5): stack_models
 - curvature (Chapter 10): param_hvp, ggn_vp, empirical_fisher_vp, ggn_diagonal, hessian_trace,
@@ -31,7 +31,14 @@ from .curvature import (
 from .ensembles import stack_models
 from .migration import named_like_parameters
 from .output_jacobians import empirical_ntk, output_jacobian, split_by_parameter
-from .per_sample import clip_and_noise, clipped_noisy_gradient, per_sample_grad_norms, per_sample_grads
+from .per_sample import (
+    clip_and_noise,
+    clipped_grad_sum,
+    clipped_noisy_gradient,
+    noised_mean,
+    per_sample_grad_norms,
+    per_sample_grads,
+)
 from .transforms import hvp, jacobian_via_vjp, pairwise
 
 __version__ = "0.1.0"
@@ -39,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PathReport",
     "clip_and_noise",
+    "clipped_grad_sum",
     "clipped_noisy_gradient",
     "conjugate_gradient",
     "empirical_fisher_vp",
@@ -52,6 +60,7 @@ __all__ = [
     "influence_scores",
     "jacobian_via_vjp",
     "named_like_parameters",
+    "noised_mean",
     "output_jacobian",
     "pairwise",
     "param_hvp",

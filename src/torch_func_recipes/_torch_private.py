@@ -54,11 +54,22 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "only a dispatch mode sees every ATen operation of the forward pass with its schema, which the fast "
                "path's trace must check; torch.overrides.TorchFunctionMode sees Python calls before decomposition",
                None, None),
-    PrivateAPI("torch.utils._pytree.tree_flatten", "import", ("_trace._BatchTrace.__torch_dispatch__", "_trace._BatchTrace.rule"),
-               "flattens an operator's nested arguments and results as torch's own dispatch code does, and torch "
-               "has no public pytree module",
+    PrivateAPI("torch.utils._pytree.tree_flatten", "import", ("_batch._Batch._leaves", "_batch._Batch.tensors", "_batch._as_batch",
+                                                               "_batch._gradients_enabled.run",
+                                                               "_trace._BatchTrace.__torch_dispatch__", "_trace._BatchTrace.rule"),
+               "flattens an operator's nested arguments and results, and a batch's nested inputs and targets, as torch's "
+               "own dispatch code and vmap do, and torch has no public pytree module",
                None, None),
-    PrivateAPI("torch.nn.modules.batchnorm._BatchNorm", "module attribute", ("_trace._check_model", "curvature._trainable"),
+    PrivateAPI("torch.utils._pytree.tree_unflatten", "import", ("_batch._Batch._rebuild", "_batch._Batch.per_example.g",
+                                                                 "_batch._gradients_enabled.run"),
+               "rebuilds a batch's nested inputs and targets from the leaves tree_flatten gave (one example's rows, or "
+               "vmap's slices), and torch has no public pytree module",
+               None, None),
+    PrivateAPI("torch.nn.modules.dropout._DropoutNd", "module attribute", ("_batch",),
+               "the one base class of Dropout, Dropout1d/2d/3d, AlphaDropout and FeatureAlphaDropout (and third-party "
+               "subclasses), the modules that draw random numbers in training mode; they share no public base",
+               None, None),
+    PrivateAPI("torch.nn.modules.batchnorm._BatchNorm", "module attribute", ("_batch._check_model",),
                "the one base class of BatchNorm1d/2d/3d, their Lazy variants, SyncBatchNorm and third-party subclasses; "
                "the public classes share no public base",
                None, None),

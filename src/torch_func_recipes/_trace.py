@@ -15,6 +15,8 @@ from torch.func import vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ._batch import _Batch, _scalar_loss
+
 
 class PathReport(NamedTuple):
     """Which path a recipe call took ("fast", "vmap", "unroll", "loop", or "none" for an empty batch), and
@@ -80,7 +82,7 @@ class _BatchTrace(TorchDispatchMode):
     def __init__(self, batch, inputs, trainable, kinds=()):
         super().__init__()
         self.kinds = frozenset(kinds)  # extra layer kinds to record: "layer_norm", "embedding" (Chapter 11's norms)
-        self.batch, self.rows, self.keep = batch, {id(inputs): 1}, [inputs]
+        self.batch, self.rows, self.keep = batch, {id(x): 1 for x in inputs}, list(inputs)  # inputs: the tensors with examples
         self.trainable = {id(p): name for name, p in trainable.items()}
         self.transposed = {}  # id(weight.t()) -> name of the weight
         self.layers = []      # dicts: kind, weight, bias (names or None), a, z, r, conv arguments
@@ -270,31 +272,16 @@ class _BatchTrace(TorchDispatchMode):
         return [d % ndim for d in dims] or None  # an empty list reduces over every dimension
 
 
-def _losses_of_each(loss_fn, predictions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """loss_fn on every example as a batch of one, as a (B,) tensor (the recipes' loss_fn contract)."""
+def _losses_of_each(loss_fn, predictions: torch.Tensor, batch: _Batch) -> torch.Tensor:
+    """loss_fn on every example as a batch of one, as a (B,) tensor (the recipes' loss_fn contract): predictions
+    are the model's output on the batch, whose targets are batch.targets."""
+    outputs = _Batch((predictions,), {}, batch.targets, (True,), {}, len(predictions))
+    loss_of_one, in_dims, values = outputs.per_example(lambda _, one: _scalar_loss(one.loss(loss_fn, one.args[0])))
     try:
-        losses = vmap(lambda p, t: loss_fn(p[None], t[None]))(predictions, targets)
+        losses = vmap(loss_of_one, in_dims=(None, *in_dims))(None, *values)
     except RuntimeError:  # a loss vmap cannot batch (it calls .item(), say): one call per example
-        losses = torch.stack([loss_fn(predictions[n : n + 1], targets[n : n + 1]) for n in range(len(predictions))])
-    if losses.shape != (len(predictions),):
-        raise ValueError(f"loss_fn must return a scalar, the loss of one example; it returned shape {tuple(losses.shape[1:])}")
+        losses = torch.stack([loss_of_one(None, *[v[n] if d == 0 else v for v, d in zip(values, in_dims)]) for n in range(len(predictions))])
     return losses
-
-
-def _check_model(model: nn.Module, inputs: torch.Tensor) -> dict[str, nn.Parameter]:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
-        raise TypeError("inputs must be a tensor with the examples along dimension 0")
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and (module.training or module.running_mean is None):
-            raise ValueError(f"{name or 'the model'} ({type(module).__name__}) normalises with the statistics of the "
-                             "batch it sees, so no example has a gradient of its own; use running statistics "
-                             "(model.eval() after training with them), or GroupNorm/LayerNorm")
-    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    if not trainable:
-        raise ValueError("the model has no parameters that require grad")
-    return trainable
 
 
 def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], kinds: tuple[str, ...] = ()) -> str | None:
@@ -315,13 +302,13 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], kind
     return None
 
 
-def _traced_forward(model, inputs, trainable, kinds=()):
-    """Runs model(inputs) under the trace. Returns (output, layers, None) or (None, None, reason).
+def _traced_forward(model, batch, trainable, kinds=()):
+    """Runs the model on a _Batch under the trace. Returns (output, layers, None) or (None, None, reason).
     kinds: extra layer kinds to record ("layer_norm", "embedding"); Chapters 3 and 4 ask for none."""
-    tracer = _BatchTrace(inputs.shape[0], inputs, trainable, kinds)
+    tracer = _BatchTrace(len(batch), batch.tensors(), trainable, kinds)
     try:
         with tracer:
-            output = model(inputs)
+            output = batch.call(model)
     except _NotPerExample as stop:
         return None, None, str(stop)
     if getattr(tracer, "failure", None):  # the model's forward caught the trace's exception

@@ -6,25 +6,32 @@ Gauss-Newton step solved in output space, conjugate gradients and influence scor
 """
 
 import numbers
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, jacrev, vjp, vmap
 
+from ._batch import _as_batch, _check_model, _gradients_enabled
 
-def _trainable(model):
-    """The parameters that require grad, {name: detached tensor}, in named_parameters() order."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
-            raise ValueError(f"module {name or type(module).__name__!r} is a BatchNorm in training mode: it mixes the "
-                             "examples of a batch and updates its running statistics on every call; call model.eval() first")
-    params = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
-    if not params:
-        raise ValueError("the model has no parameters that require grad: there is no curvature to compute")
-    return params
+
+def _trainable(model, inputs, targets):
+    """The curvature recipes' one check of the model and the batch (the package's validator, with random
+    modules in training mode refused); returns the parameters that require grad, {name: detached tensor},
+    in named_parameters() order. One batch of tensors for now: an iterable of batches (a DataLoader) and
+    inputs given as a tuple or dict are part of the signature but not implemented yet, and say so."""
+    trainable = _check_model(model, deterministic=True)
+    if isinstance(inputs, Iterable) and not isinstance(inputs, (torch.Tensor, tuple, list, Mapping)):
+        raise NotImplementedError("the curvature of an iterable of batches (a DataLoader) is not implemented yet: "
+                                  "pass one batch as inputs, targets")
+    batch = _as_batch(inputs, targets)
+    if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        raise NotImplementedError("the curvature recipes take inputs and targets as tensors; tuples and dicts of them "
+                                  "are not implemented yet")
+    if len(batch) == 0:
+        raise ValueError("the batch is empty: a loss over no examples has no curvature")
+    return {name: p.detach() for name, p in trainable.items()}
 
 
 def _scalar(loss):
@@ -83,21 +90,23 @@ def _hvp_operator(model, loss_fn, inputs, targets, params):
     return hvp
 
 
+@_gradients_enabled
 def param_hvp(model, loss_fn, inputs, targets, vector):
     """H v, for the Hessian H of loss_fn(model(inputs), targets) with respect to the model's parameters that
     require grad. vector and the result are dicts name -> tensor shaped like the parameter.
     Reverse-over-reverse: the gradient g with its graph, then one backward pass of <g, v>. No P x P matrix."""
-    params = _trainable(model)
+    params = _trainable(model, inputs, targets)
     vector = _check_vector(vector, params)
     return _hvp_operator(model, loss_fn, inputs, targets, params)(vector)
 
 
+@_gradients_enabled
 def ggn_vp(model, loss_fn, inputs, targets, vector):
     """G v for the generalised Gauss-Newton matrix G = J^T H_L J of loss_fn(model(inputs), targets), where J is
     the Jacobian of the model's outputs with respect to its trainable parameters and H_L the Hessian of
     loss_fn in the outputs: J v (by the double-backward trick), H_L J v in output space, then J^T (...), all
     in reverse mode."""
-    params = _trainable(model)
+    params = _trainable(model, inputs, targets)
     vector = _check_vector(vector, params)
     leaves = _leaves(params)
     with torch.enable_grad():
@@ -131,10 +140,11 @@ def _per_example(model, loss_fn, inputs, targets, params):
                      f"{each.sum().item():.6g} of the examples' losses")
 
 
+@_gradients_enabled
 def empirical_fisher_vp(model, loss_fn, inputs, targets, vector):
     """F v for the empirical Fisher F = w * sum_n g_n g_n^T, where g_n is the gradient of example n's loss and
     w = 1/B for a mean loss (1 for a sum): per-example gradients by vmap of grad, then two contractions."""
-    params = _trainable(model)
+    params = _trainable(model, inputs, targets)
     vector = _check_vector(vector, params)
     loss_of_one, weight = _per_example(model, loss_fn, inputs, targets, params)
     g = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets)  # {name: (B, *shape)}
@@ -193,6 +203,7 @@ def _output_hessian_factors(loss_fn, outputs, targets):
     return lam.T, U.permute(2, 0, 1).reshape(Y, *o.shape)
 
 
+@_gradients_enabled
 def ggn_diagonal(model, loss_fn, inputs, targets, *, per_sample=False):
     """The exact diagonal of the Gauss-Newton matrix, {name: tensor shaped like the parameter}; with
     per_sample=True each example's share of it, {name: (B, *shape)}, which sum over B to the diagonal.
@@ -201,7 +212,7 @@ def ggn_diagonal(model, loss_fn, inputs, targets, *, per_sample=False):
     module's input a and output z; Y batched backward passes give dL/dz for the Y cotangents u_k; a linear
     layer's share is then sum_k lam_k delta_k^2 times a^2, any other layer's squares its own per-example vjp. A
     check of every call (the layers' products must rebuild one ordinary vjp) falls back to vmap over examples."""
-    params = _trainable(model)
+    params = _trainable(model, inputs, targets)
     owners = {}  # parameter name -> (the module holding it, its name there)
     for module_name, module in model.named_modules():
         for local, p in module.named_parameters(recurse=False):
@@ -287,7 +298,7 @@ def _rademacher(params, samples, generator):
 
 
 def _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size):
-    params = _trainable(model)
+    params = _trainable(model, inputs, targets)
     probes = _rademacher(params, samples, generator)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
@@ -296,6 +307,7 @@ def _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size)
     return probes, {n: torch.cat([c[n] for c in chunks]) for n in params}
 
 
+@_gradients_enabled
 def hessian_trace(model, loss_fn, inputs, targets, *, samples, generator=None, chunk_size=None):
     """Hutchinson's estimate of the trace of the parameter Hessian of loss_fn(model(inputs), targets): the mean
     of v^T H v over `samples` Rademacher vectors v (entries +-1, drawn from `generator` on the CPU). Unbiased,
@@ -304,6 +316,7 @@ def hessian_trace(model, loss_fn, inputs, targets, *, samples, generator=None, c
     return sum((probes[n] * products[n]).flatten(1).sum(dim=1) for n in probes).mean().item()
 
 
+@_gradients_enabled
 def hessian_diagonal(model, loss_fn, inputs, targets, *, samples, generator=None, chunk_size=None):
     """Hutchinson's estimate of the diagonal of the parameter Hessian, {name: tensor shaped like the parameter}:
     the mean of v * (H v) over `samples` Rademacher vectors v. Unbiased; variance falls as 1/samples."""
@@ -311,12 +324,13 @@ def hessian_diagonal(model, loss_fn, inputs, targets, *, samples, generator=None
     return {n: (probes[n] * products[n]).mean(dim=0) for n in probes}
 
 
+@_gradients_enabled
 def top_hessian_eigenvalues(model, loss_fn, inputs, targets, k=1, *, iterations=None, generator=None):
     """The k algebraically largest eigenvalues of the parameter Hessian of loss_fn(model(inputs), targets),
     largest first, as a 1-d tensor. Lanczos with full reorthogonalisation on Hessian-vector products:
     `iterations` products (default min(P, max(2k + 20, 40))), then the eigenvalues of the small tridiagonal
     matrix. The start vector is drawn from `generator` on the CPU. With iterations = P it is exact up to rounding."""
-    params = _trainable(model)
+    params = _trainable(model, inputs, targets)
     total = sum(p.numel() for p in params.values())
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= total:
         raise ValueError(f"k must be an int from 1 to the number of parameters ({total}), got {k!r}")
@@ -353,6 +367,7 @@ def top_hessian_eigenvalues(model, loss_fn, inputs, targets, k=1, *, iterations=
     return ritz[:k]
 
 
+@_gradients_enabled
 def gauss_newton_step(model, loss_fn, inputs, targets, *, damping):
     """The damped Gauss-Newton step -(G + damping I)^{-1} g for loss_fn(model(inputs), targets), as a dict
     {name: tensor shaped like the parameter}, solved in output space: -J^T (damping I + H_L J J^T)^{-1} r, with J
@@ -360,7 +375,7 @@ def gauss_newton_step(model, loss_fn, inputs, targets, *, damping):
     r its gradient there. One dense solve of B*Y unknowns, whatever P is."""
     if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or damping <= 0:
         raise ValueError(f"damping must be a positive number, got {damping!r}")
-    params = _trainable(model)
+    params = _trainable(model, inputs, targets)
     outputs = functional_call(model, params, (inputs,))
     blocks = vmap(jacrev(lambda p, x: functional_call(model, p, (x[None],))[0]), in_dims=(None, 0))(params, inputs)
     n = outputs.numel()
@@ -394,6 +409,7 @@ def conjugate_gradient(matvec, b, *, tol=1e-10, max_iterations=None):
     raise RuntimeError(f"conjugate gradients did not reach tol={tol} in {limit} iterations")
 
 
+@_gradients_enabled
 def influence_scores(model, loss_fn, train_inputs, train_targets, test_inputs, test_targets, *, damping,
                      tol=1e-10, max_iterations=None):
     """For each training example i, the first-order change of the test loss loss_fn(model(test_inputs), test_targets)
@@ -402,7 +418,8 @@ def influence_scores(model, loss_fn, train_inputs, train_targets, test_inputs, t
     Positive: the example helps the test loss. Conjugate gradients on damped Hessian-vector products. Shape (N,)."""
     if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or damping < 0:
         raise ValueError(f"damping must be a non-negative number, got {damping!r}")
-    params = _trainable(model)
+    params = _trainable(model, train_inputs, train_targets)
+    _trainable(model, test_inputs, test_targets)
     sizes = [p.numel() for p in params.values()]
     flatten = lambda d: torch.cat([d[n].reshape(-1) for n in params])
     hvp = _hvp_operator(model, loss_fn, train_inputs, train_targets, params)

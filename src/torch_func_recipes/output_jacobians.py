@@ -1,41 +1,57 @@
 """Chapter 4: output_jacobian (B, Y, P), split_by_parameter and the empirical NTK."""
 
 import torch
-from torch.func import functional_call, jacrev, vmap
+from torch.func import jacrev, vmap
 
-from ._trace import PathReport, _check_model, _check_path, _fast_path_screen, _im2col, _traced_forward
+from ._batch import _as_batch, _check_chunk_size, _check_model
+from ._trace import PathReport, _check_path, _fast_path_screen, _im2col, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
-def output_jacobian(model, inputs, *, chunk_size=None, out=None, path="auto", report=False):
+def output_jacobian(model, inputs, *, select=None, unbatched=(), chunk_size=None, out=None, path="auto", report=False):
     """d outputs / d parameters for every example: a tensor (B, Y, P) for a model whose output is
     (B, Y), with the P columns in named_parameters() order (parameters that require grad).
 
-    chunk_size: process this many examples at a time. out: an optional (B, Y, P) tensor to write into
-    (and return). path and report as for per_sample_grads: the fast path (one forward pass, Y backward
+    inputs and unbatched as in per_sample_grads: a tensor, a tuple of positional arguments or a dict of
+    keyword arguments, examples along dimension 0. select: a function of the model's output that returns
+    the (B, Y) tensor to differentiate (for example lambda out: out.logits[:, -1]); None takes the output
+    as it is. chunk_size: process this many examples at a time. out: an optional (B, Y, P) tensor to write
+    into (and return). path and report as for per_sample_grads: the fast path (one forward pass, Y backward
     passes to the layer outputs batched into one, per-example products written into the result)
     runs where a trace of this call establishes that it applies; the vmap path is
     vmap(jacrev(...)) over the examples, with any nn.RNN/GRU/LSTM computed step by step (the unroll);
-    where that raised (or path="loop"), the loop runs Y backward passes per example.
+    where that raised (or path="loop"), the loop runs Y backward passes per example. An empty batch
+    gives a (0, Y, P) tensor, Y read from the model's output on it.
     """
-    trainable = _check_model(model, inputs)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    trainable = _check_model(model)
+    batch = _as_batch(inputs, None, unbatched)
+    if select is not None and not callable(select):
+        raise TypeError(f"select must be a function of the model's output, got {type(select).__name__}")
+    _check_chunk_size(chunk_size)
     _check_path(path)
-    batch = inputs.shape[0]
-    if batch == 0:
-        raise ValueError("inputs hold no examples (a batch of 0): the number of outputs Y is not known")
+    size = len(batch)
     total = sum(p.numel() for p in trainable.values())
+    select = select or (lambda output: output)
+    forward = lambda *args, **kwargs: select(model(*args, **kwargs))  # noqa: E731
     with torch.inference_mode(False), torch.enable_grad():
-        if inputs.is_inference():
-            inputs = inputs.clone()
-        step = chunk_size or batch
+        batch = batch.usable_outside_inference_mode()
+        if size == 0:
+            try:
+                with torch.no_grad():
+                    output = batch.call(forward)
+            except Exception as error:
+                raise ValueError("the batch is empty, and the model cannot run on an empty batch to tell the number of "
+                                 "outputs Y") from error
+            _output_rows(output, 0)
+            result = _result_buffer(out, 0, output.shape[1], total, output)
+            return (result, PathReport("none", "the batch is empty")) if report else result
+        step = chunk_size or size
         reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable)
         if reason is None:
             start = 0
-            while start < batch and reason is None:
+            while start < size and reason is None:
                 rows = slice(start, start + step)
-                out, reason = _fast_jacobian_chunk(model, trainable, inputs[rows], out, rows, batch, total)
+                out, reason = _fast_jacobian_chunk(forward, trainable, batch.rows(rows), out, rows, size, total)
                 start += step
             if reason is None:
                 report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
@@ -43,19 +59,19 @@ def output_jacobian(model, inputs, *, chunk_size=None, out=None, path="auto", re
                 return (out, report_) if report else out
         if path == "fast":
             raise ValueError(f"the fast path does not apply: {reason}")
-        run_vmap = lambda module: _vmap_jacrev(module, trainable, inputs, chunk_size, out, total)
-        run_loop = lambda: _loop_jacobian(model, trainable, inputs, out, total)
+        run_vmap = lambda module: _vmap_jacrev(module, select, trainable, batch, chunk_size, out, total)
+        run_loop = lambda: _loop_jacobian(forward, trainable, batch, out, total)
         result, report_ = _with_fallbacks(model, path, run_vmap, run_loop, reason)  # vmap, the unroll, or the loop
         return (result, report_) if report else result
 
 
-def _loop_jacobian(model, trainable, inputs, out, total):
+def _loop_jacobian(forward, trainable, batch, out, total):
     """One forward pass and Y backward passes per example, each row written into the result."""
     params = list(trainable.values())
-    for n in range(len(inputs)):
-        output = model(inputs[n : n + 1])
+    for n in range(len(batch)):
+        output = batch.example(n).call(forward)
         _output_rows(output, 1)
-        out = _result_buffer(out, len(inputs), output.shape[1], total, output)
+        out = _result_buffer(out, len(batch), output.shape[1], total, output)
         for j in range(output.shape[1]):
             grads = torch.autograd.grad(output[0, j], params, retain_graph=True, allow_unused=True)
             torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)], out=out[n, j])
@@ -76,11 +92,11 @@ def _result_buffer(out, batch, n_out, total, like):
     return out
 
 
-def _fast_jacobian_chunk(model, trainable, inputs, out, rows, batch, total):
-    output, layers, reason = _traced_forward(model, inputs, trainable)
+def _fast_jacobian_chunk(forward, trainable, part, out, rows, batch, total):
+    output, layers, reason = _traced_forward(forward, part, trainable)
     if reason is not None:
         return out, reason
-    _output_rows(output, len(inputs))
+    _output_rows(output, len(part))
     n_out = output.shape[1]
     out = _result_buffer(out, batch, n_out, total, output)
     block = out[rows]
@@ -89,7 +105,7 @@ def _fast_jacobian_chunk(model, trainable, inputs, out, rows, batch, total):
         columns[name] = block[:, :, start : start + p.numel()].unflatten(2, p.shape)
         start += p.numel()
     # the Y basis cotangents, each spread over the whole chunk: one batched backward pass gives every delta
-    basis = torch.eye(n_out, dtype=output.dtype, device=output.device)[:, None, :].expand(n_out, len(inputs), n_out)
+    basis = torch.eye(n_out, dtype=output.dtype, device=output.device)[:, None, :].expand(n_out, len(part), n_out)
     zs = [layer["z"] for layer in layers]
     deltas = vmap(lambda v: torch.autograd.grad(output, zs, v, retain_graph=True, allow_unused=True))(basis)
     for layer, delta in zip(layers, deltas):
@@ -121,18 +137,19 @@ def _jacobian_products(layer, delta, columns):
         columns[weight].copy_(products.view(columns[weight].shape))
 
 
-def _vmap_jacrev(model, trainable, inputs, chunk_size, out, total):
+def _vmap_jacrev(model, select, trainable, batch, chunk_size, out, total):
     detached = {name: p.detach() for name, p in trainable.items()}
 
-    def outputs_of_one(params, x):
-        output = functional_call(model, params, (x[None],))  # a batch of one
+    def outputs_of_one(params, one):  # a batch of one
+        output = select(one.call(model, params))
         _output_rows(output, 1)
         return output[0]
 
-    blocks = vmap(jacrev(outputs_of_one), in_dims=(None, 0), chunk_size=chunk_size)(detached, inputs)
-    batch, n_out = inputs.shape[0], next(iter(blocks.values())).shape[1]
-    out = _result_buffer(out, batch, n_out, total, next(iter(blocks.values())))
-    torch.cat([blocks[name].reshape(batch, n_out, -1) for name in trainable], dim=2, out=out)
+    of_one, in_dims, values = batch.per_example(outputs_of_one)
+    blocks = vmap(jacrev(of_one), in_dims=(None, *in_dims), chunk_size=chunk_size)(detached, *values)
+    size, n_out = len(batch), next(iter(blocks.values())).shape[1]
+    out = _result_buffer(out, size, n_out, total, next(iter(blocks.values())))
+    torch.cat([blocks[name].reshape(size, n_out, -1) for name in trainable], dim=2, out=out)
     return out
 
 

@@ -10,10 +10,11 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.func import functional_call, grad, vmap
+from torch.func import grad, vmap
 from torch.overrides import TorchFunctionMode
 
-from ._trace import PathReport, _check_model, _check_path, _fast_path_screen, _im2col, _losses_of_each, _traced_forward
+from ._batch import _as_batch, _check_chunk_size, _check_model, _scalar_loss
+from ._trace import PathReport, _check_path, _fast_path_screen, _im2col, _losses_of_each, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
@@ -41,11 +42,17 @@ def _per_example_products(layer, delta, out):
         torch.bmm(flat_delta, patches.transpose(1, 2), out=out[weight].view(len(a), flat_delta.shape[1], -1))
 
 
-def per_sample_grads(model, loss_fn, inputs, targets, *, chunk_size=None, out=None, path="auto", report=False):
+def per_sample_grads(model, loss_fn, inputs, targets=None, *, unbatched=(), chunk_size=None, out=None, path="auto",
+                     report=False):
     """The gradient of each example's own loss: {name: tensor (B, *param.shape)} for every parameter
-    that requires grad. Examples are along dimension 0 of inputs and targets; loss_fn(predictions,
-    targets) receives a batch of one and returns that example's (scalar) loss.
+    that requires grad.
 
+    inputs: what the model is called with, a tensor, a tuple of positional arguments or a dict of keyword
+        arguments (a Hugging Face batch); targets: what loss_fn takes besides the output (a tensor, tuple or
+        dict), or None. Every tensor in them holds the examples along dimension 0, except the inputs named
+        in unbatched (positions or keys), which each example receives whole. loss_fn(output, targets), or
+        loss_fn(output) without targets, receives the model's output and targets for a batch of one and
+        returns that example's loss, a 0-d tensor.
     chunk_size: process this many examples at a time (bounds the memory of intermediates).
     out: optional {name: (B, *param.shape)} tensors to write into (and return); without it the result
         is freshly allocated.
@@ -56,31 +63,28 @@ def per_sample_grads(model, loss_fn, inputs, targets, *, chunk_size=None, out=No
         autograd call per example: slow, but runs any model autograd can differentiate).
     report: also return a PathReport(path, reason) saying which path ran and why.
     """
-    trainable = _check_model(model, inputs)
-    if not isinstance(targets, torch.Tensor) or targets.dim() == 0 or targets.shape[0] != inputs.shape[0]:
-        raise ValueError(f"targets must be a tensor with one row per example ({inputs.shape[0]} examples)")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    trainable = _check_model(model)
+    batch = _as_batch(inputs, targets, unbatched)
+    _check_chunk_size(chunk_size)
     _check_path(path)
-    batch = inputs.shape[0]
+    size = len(batch)
     if out is not None:
         for name, p in trainable.items():
             given = out.get(name)
-            if given is None or given.shape != (batch, *p.shape) or given.dtype != p.dtype or given.device != p.device:
-                raise ValueError(f"out[{name!r}] must be a {p.dtype} tensor of shape {(batch, *p.shape)} on {p.device}")
+            if given is None or given.shape != (size, *p.shape) or given.dtype != p.dtype or given.device != p.device:
+                raise ValueError(f"out[{name!r}] must be a {p.dtype} tensor of shape {(size, *p.shape)} on {p.device}")
     with torch.inference_mode(False), torch.enable_grad():
-        if inputs.is_inference() or targets.is_inference():  # made inside torch.inference_mode()
-            inputs, targets = inputs.clone(), targets.clone()
-        if batch == 0:
+        batch = batch.usable_outside_inference_mode()
+        if size == 0:
             result = out or {name: p.new_empty((0, *p.shape)) for name, p in trainable.items()}
             return (result, PathReport("none", "the batch is empty")) if report else result
         reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable)
         if reason is None:
-            result = out if out is not None else {name: p.new_empty((batch, *p.shape)) for name, p in trainable.items()}
-            step = chunk_size or batch
-            for start in range(0, batch, step):
+            result = out if out is not None else {name: p.new_empty((size, *p.shape)) for name, p in trainable.items()}
+            step = chunk_size or size
+            for start in range(0, size, step):
                 rows = slice(start, start + step)
-                reason = _fast_chunk(model, trainable, loss_fn, inputs[rows], targets[rows], {n: t[rows] for n, t in result.items()})
+                reason = _fast_chunk(model, trainable, loss_fn, batch.rows(rows), {n: t[rows] for n, t in result.items()})
                 if reason is not None:
                     break
             if reason is None:
@@ -91,51 +95,44 @@ def per_sample_grads(model, loss_fn, inputs, targets, *, chunk_size=None, out=No
             raise ValueError(f"the fast path does not apply: {reason}")
 
         def run_vmap(module):  # the model, or the unroll's stand-in for it
-            grads = _vmap_grad(module, trainable, loss_fn, inputs, targets, chunk_size)
+            grads = _vmap_grad(module, trainable, loss_fn, batch, chunk_size)
             for name, g in grads.items() if out is not None else ():
                 out[name].copy_(g)
             return grads if out is None else out
 
-        run_loop = lambda: _loop_grads(model, trainable, loss_fn, inputs, targets, out)
+        run_loop = lambda: _loop_grads(model, trainable, loss_fn, batch, out)
         grads, report_ = _with_fallbacks(model, path, run_vmap, run_loop, reason)  # vmap, the unroll, or the loop
         return (grads, report_) if report else grads
 
 
-def _loop_grads(model, trainable, loss_fn, inputs, targets, out):
+def _loop_grads(model, trainable, loss_fn, batch, out):
     """One forward and backward pass per example, each written into its row of the result."""
     names, params = list(trainable), list(trainable.values())
-    result = out if out is not None else {name: p.new_empty((len(inputs), *p.shape)) for name, p in trainable.items()}
-    for n in range(len(inputs)):
-        loss = loss_fn(model(inputs[n : n + 1]), targets[n : n + 1])
-        if loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar, the loss of one example; it returned shape {tuple(loss.shape)}")
+    result = out if out is not None else {name: p.new_empty((len(batch), *p.shape)) for name, p in trainable.items()}
+    for n in range(len(batch)):
+        one = batch.example(n)
+        loss = _scalar_loss(one.loss(loss_fn, one.call(model)))
         for name, g in zip(names, torch.autograd.grad(loss, params, allow_unused=True)):
             result[name][n] = 0 if g is None else g
     return result
 
 
-def _fast_chunk(model, trainable, loss_fn, inputs, targets, out):
-    output, layers, reason = _traced_forward(model, inputs, trainable)
+def _fast_chunk(model, trainable, loss_fn, batch, out):
+    output, layers, reason = _traced_forward(model, batch, trainable)
     if reason is not None:
         return reason
-    total = _losses_of_each(loss_fn, output, targets).sum()
+    total = _losses_of_each(loss_fn, output, batch).sum()
     deltas = torch.autograd.grad(total, [layer["z"] for layer in layers], allow_unused=True)
     for layer, delta in zip(layers, deltas):
         _per_example_products(layer, torch.zeros_like(layer["z"]) if delta is None else delta, out)
     return None
 
 
-def _vmap_grad(model, trainable, loss_fn, inputs, targets, chunk_size):
+def _vmap_grad(model, trainable, loss_fn, batch, chunk_size):
     """vmap(grad(...)) of one example's loss: the transform's own result, no copy."""
     detached = {name: p.detach() for name, p in trainable.items()}
-
-    def loss_of_one(params, x, target):
-        loss = loss_fn(functional_call(model, params, (x[None],)), target[None])
-        if loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar, the loss of one example; it returned shape {tuple(loss.shape)}")
-        return loss
-
-    return vmap(grad(loss_of_one), in_dims=(None, 0, 0), randomness="different", chunk_size=chunk_size)(detached, inputs, targets)
+    loss_of_one, in_dims, values = batch.per_example(lambda params, one: _scalar_loss(one.loss(loss_fn, one.call(model, params))))
+    return vmap(grad(loss_of_one), in_dims=(None, *in_dims), randomness="different", chunk_size=chunk_size)(detached, *values)
 
 
 def clip_and_noise(per_sample, max_norm, noise_multiplier, generator=None, *, expected_batch_size=None):
@@ -172,6 +169,24 @@ def clip_and_noise(per_sample, max_norm, noise_multiplier, generator=None, *, ex
     return private
 
 
+def noised_mean(clipped_sum, *, max_norm, noise_multiplier, expected_batch_size, generator=None):
+    """The last step of DP-SGD: (clipped_sum + N(0, (noise_multiplier * max_norm)^2)) / expected_batch_size
+    for every entry of clipped_sum {name: tensor}, the sum of the clipped per-example gradients of one
+    logical batch (from clipped_grad_sum, summed over its micro-batches). The noise is drawn on the CPU
+    from `generator`, parameter by parameter in the dict's order, and moved to each tensor's device."""
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    if not noise_multiplier >= 0:
+        raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}")
+    if isinstance(expected_batch_size, bool) or not expected_batch_size > 0:
+        raise ValueError(f"the batch is empty or expected_batch_size is not positive ({expected_batch_size})")
+    private = {}
+    for name, total in clipped_sum.items():
+        noise = torch.randn(total.shape, generator=generator, dtype=total.dtype).to(total.device)
+        private[name] = (total + noise_multiplier * max_norm * noise) / expected_batch_size
+    return private
+
+
 class _ParameterUses(TorchFunctionMode):
     """Records, for one forward pass, every torch call that takes a trainable parameter."""
 
@@ -188,7 +203,7 @@ class _ParameterUses(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _covered_linear_layers(model, inputs, trainable):
+def _covered_linear_layers(model, batch, trainable):
     """{name: (module, {param name: param}, output shape of one example)} for the nn.Linear layers whose
     trainable parameters are used exactly once, by the layer's own F.linear call."""
     calls, handles = {}, []
@@ -198,7 +213,7 @@ def _covered_linear_layers(model, inputs, trainable):
     uses = _ParameterUses(trainable)
     try:
         with torch.no_grad(), uses:
-            model(inputs[:1])  # one example shows which calls the forward makes
+            batch.example(0).call(model)  # one example shows which calls the forward makes
     finally:
         for handle in handles:
             handle.remove()
@@ -211,36 +226,27 @@ def _covered_linear_layers(model, inputs, trainable):
     return layers
 
 
-def per_sample_grad_norms(model, loss_fn, inputs, targets, *, chunk_size=None, path="auto", report=False):
+def per_sample_grad_norms(model, loss_fn, inputs, targets=None, *, unbatched=(), chunk_size=None, path="auto", report=False):
     """The norm of each example's whole gradient (every parameter that requires grad), a (B,) tensor,
-    without holding the (B, P) per-example gradients. loss_fn(predictions, targets) receives a batch of
-    one and returns that example's scalar loss, as in per_sample_grads. chunk_size bounds how many
-    examples are processed at once. path: "auto" (the fast path, one batched forward and backward pass,
-    where a trace of this call shows it exact; else vmap, with any nn.RNN/GRU/LSTM unrolled; where that
+    without holding the (B, P) per-example gradients. inputs, targets, unbatched and loss_fn as in
+    per_sample_grads (loss_fn receives a batch of one and returns that example's loss). chunk_size bounds
+    how many examples are processed at once. path: "auto" (the fast path, one batched forward and backward
+    pass, where a trace of this call shows it exact; else vmap, with any nn.RNN/GRU/LSTM unrolled; where that
     raised, the loop), or one path taken as asked, as in per_sample_grads: "fast", "vmap", "unroll" (each
     raises where it does not apply) or "loop". report=True also returns a PathReport saying which path ran,
     why, and how each parameter's share was found (its ghost, direct and streamed lists)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
-        raise TypeError("inputs must be a tensor with the examples along dimension 0")
-    if not isinstance(targets, torch.Tensor) or targets.dim() == 0 or len(targets) != len(inputs):
-        raise ValueError(f"targets must be a tensor with one row per example ({len(inputs)} examples)")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    trainable = _check_model(model)
+    batch = _as_batch(inputs, targets, unbatched)
+    _check_chunk_size(chunk_size)
     _check_path(path)
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if not trainable:
-        raise ValueError("the model has no parameters that require grad")
     with torch.inference_mode(False), torch.enable_grad():
-        if inputs.is_inference() or targets.is_inference():  # made inside torch.inference_mode()
-            inputs, targets = inputs.clone(), targets.clone()
-        if len(inputs) == 0:
+        batch = batch.usable_outside_inference_mode()
+        if len(batch) == 0:
             norms = next(iter(trainable.values())).new_zeros(0)
             return (norms, PathReport("none", "the batch is empty", [], [], [])) if report else norms
         reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable, ("layer_norm", "embedding"))
         if reason is None:
-            found, reason = _squared_norms_fast(model, loss_fn, inputs, targets, trainable, chunk_size)
+            found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size)
             if found is not None:
                 squares, ghost, direct = found
                 why = "a trace of the forward pass showed every operation keeps the examples apart"
@@ -248,15 +254,15 @@ def per_sample_grad_norms(model, loss_fn, inputs, targets, *, chunk_size=None, p
                 return (norms, PathReport("fast", why, ghost, direct, [])) if report else norms
         if path == "fast":
             raise ValueError(f"the fast path does not apply: {reason}")
-        layers = {} if path == "loop" else _covered_linear_layers(model, inputs, trainable)
+        layers = {} if path == "loop" else _covered_linear_layers(model, batch, trainable)
         streamed = [n for n in trainable if all(n not in own for _, own, _ in layers.values())]
         # Chapter 3's driver: the path asked for, or recurrent layers step by step under vmap; where vmap raises, the loop
         (squares, ghost, direct), how = _with_fallbacks(
-            model, path, lambda module: _squared_norms_by_vmap(module, loss_fn, inputs, targets, layers, streamed, chunk_size),
-            lambda: (_squared_norms_by_loop(model, loss_fn, inputs, targets, trainable), [], []), reason)
+            model, path, lambda module: _squared_norms_by_vmap(module, loss_fn, batch, layers, streamed, chunk_size),
+            lambda: (_squared_norms_by_loop(model, loss_fn, batch, trainable), [], []), reason)
         path, reason = how.path, how.reason
         streamed = list(trainable) if path == "loop" else streamed
-    norms = squares.clamp(min=0).sqrt()
+        norms = squares.clamp(min=0).sqrt()  # inside the block: an ordinary tensor, also under inference_mode
     return (norms, PathReport(path, reason, ghost, direct, streamed)) if report else norms
 
 
@@ -325,23 +331,23 @@ def _lowest_layers(layers):
     return lowest
 
 
-def _squared_norms_fast(model, loss_fn, inputs, targets, trainable, chunk_size):
+def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size):
     """On the batched forward and backward pass, where a trace shows each example's rows stay its own:
     ((B,) squared norms, ghost names, direct names), or None and the reason it does not apply. Each
     layer's output gradient is reduced to its share of the norms by a hook as soon as the backward pass
     reaches it, so they are never all held at once."""
     squares, how = [], {}
-    step = chunk_size or len(inputs)
-    for start in range(0, len(inputs), step):
-        x, t = inputs[start : start + step], targets[start : start + step]
-        output, layers, reason = _traced_forward(model, x, trainable, ("layer_norm", "embedding"))
+    step = chunk_size or len(batch)
+    for start in range(0, len(batch), step):
+        part = batch.rows(slice(start, start + step))
+        output, layers, reason = _traced_forward(model, part, trainable, ("layer_norm", "embedding"))
         if reason is not None:
             return None, reason
-        total = _losses_of_each(loss_fn, output, t).sum()
-        chunk, done = output.new_zeros(len(x), dtype=next(iter(trainable.values())).dtype), set()
+        total = _losses_of_each(loss_fn, output, part).sum()
+        chunk, done = output.new_zeros(len(part), dtype=next(iter(trainable.values())).dtype), set()
 
         def take(k, g):
-            for name, s, kind in _layer_squares(layers[k], g, len(x)):  # noqa: F821 (ruff: `del layers` below; take runs before it)
+            for name, s, kind in _layer_squares(layers[k], g, len(part)):  # noqa: F821 (ruff: `del layers` below; take runs before it)
                 chunk.add_(s)
                 how[name] = kind
             done.add(k)
@@ -364,10 +370,10 @@ def _squared_norms_fast(model, loss_fn, inputs, targets, trainable, chunk_size):
             sorted(n for n, k in how.items() if k == "direct")), None
 
 
-def _squared_norms_by_vmap(model, loss_fn, inputs, targets, layers, streamed, chunk_size):
+def _squared_norms_by_vmap(model, loss_fn, batch, layers, streamed, chunk_size):
     rest = {n: p.detach() for n, p in model.named_parameters() if n in streamed}
 
-    def loss_of_one(rest, probes, x, t):
+    def loss_of_one(rest, probes, one):
         captured, handles = [], []
         for (module, _, _), probe in zip(layers.values(), probes):
             def hook(m, args, z, probe=probe):
@@ -375,28 +381,30 @@ def _squared_norms_by_vmap(model, loss_fn, inputs, targets, layers, streamed, ch
                 return z + probe  # d loss / d probe is d loss / d z
             handles.append(module.register_forward_hook(hook))
         try:
-            loss = loss_fn(functional_call(model, rest, (x[None],)), t[None])
+            loss = _scalar_loss(one.loss(loss_fn, one.call(model, rest)))
         finally:
             for handle in handles:
                 handle.remove()
-        if loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar, the loss of one example; it returned shape {tuple(loss.shape)}")
         return loss, captured
 
-    dtype = next(iter(model.parameters())).dtype
-    squares = torch.zeros(len(inputs), dtype=dtype, device=inputs.device)
+    first = next(iter(model.parameters()))
+    dtype, device = first.dtype, first.device
+    squares = torch.zeros(len(batch), dtype=dtype, device=device)
     ghost, direct = set(), set()
-    per_example = vmap(grad(loss_of_one, argnums=(0, 1), has_aux=True), in_dims=(None, 0, 0, 0), randomness="different")
-    step = chunk_size or len(inputs)
-    for start in range(0, len(inputs), step):
+    step = chunk_size or len(batch)
+    for start in range(0, len(batch), step):
         rows = slice(start, start + step)
-        x, t = inputs[rows], targets[rows]
-        probes = [torch.zeros((len(x), *shape), dtype=dtype, device=inputs.device) for _, _, shape in layers.values()]
-        (rest_grads, output_grads), layer_inputs = per_example(rest, probes, x, t)
+        part = batch.rows(rows)
+        n = len(part)
+        of_one, in_dims, values = part.per_example(lambda extra, one: loss_of_one(*extra, one))
+        per_example = vmap(grad(lambda rest, probes, *v: of_one((rest, probes), *v), argnums=(0, 1), has_aux=True),
+                           in_dims=(None, 0, *in_dims), randomness="different")
+        probes = [torch.zeros((n, *shape), dtype=dtype, device=device) for _, _, shape in layers.values()]
+        (rest_grads, output_grads), layer_inputs = per_example(rest, probes, *values)
         for g in rest_grads.values():
-            squares[rows] += g.reshape(len(x), -1).square().sum(1)
+            squares[rows] += g.reshape(n, -1).square().sum(1)
         for (module, own, _), a, g in zip(layers.values(), layer_inputs, output_grads):
-            a, g = a.reshape(len(x), -1, a.shape[-1]), g.reshape(len(x), -1, g.shape[-1])  # (n, T, d_in), (n, T, d_out)
+            a, g = a.reshape(n, -1, a.shape[-1]), g.reshape(n, -1, g.shape[-1])  # (n, T, d_in), (n, T, d_out)
             for name, p in own.items():
                 if p is module.bias:
                     squares[rows] += g.sum(1).square().sum(1)
@@ -410,74 +418,92 @@ def _squared_norms_by_vmap(model, loss_fn, inputs, targets, layers, streamed, ch
     return squares, sorted(ghost), sorted(direct)
 
 
-def _squared_norms_by_loop(model, loss_fn, inputs, targets, trainable):
+def _squared_norms_by_loop(model, loss_fn, batch, trainable):
     squares = []
-    for n in range(len(inputs)):
-        loss = loss_fn(model(inputs[n : n + 1]), targets[n : n + 1])
-        if loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar, the loss of one example; it returned shape {tuple(loss.shape)}")
+    for n in range(len(batch)):
+        one = batch.example(n)
+        loss = _scalar_loss(one.loss(loss_fn, one.call(model)))
         grads = torch.autograd.grad(loss, list(trainable.values()), allow_unused=True)
         squares.append(sum(g.square().sum() for g in grads if g is not None))
     return torch.stack(squares)
 
 
-def clipped_noisy_gradient(model, loss_fn, inputs, targets, norms, max_norm, noise_multiplier, generator=None, *,
-                           expected_batch_size=None, path="auto", report=False):
-    """The DP-SGD gradient from per-example gradient norms, {name: tensor of shape *param.shape}:
-    (sum_i min(1, max_norm / (norms[i] + 1e-6)) * g_i + N(0, (noise_multiplier * max_norm)^2)) / B,
-    the same arithmetic as Chapter 3's clip_and_noise, but from one backward pass of the reweighted
-    loss sum_i min(1, C / n_i) * loss_i, so no (B, *shape) tensor is held. norms: from
-    per_sample_grad_norms on the same model and batch. Noise is drawn on the CPU from `generator` and
-    moved; B is expected_batch_size when given (Poisson sampling). path and report as in
-    per_sample_grad_norms: the backward pass runs from the batched forward pass where a trace shows it
-    exact ("fast"), else from vmap's ("vmap", "unroll"), else from one forward pass per example ("loop")."""
+def clipped_noisy_gradient(model, loss_fn, inputs, targets=None, *, max_norm, noise_multiplier, generator=None,
+                           expected_batch_size=None, norms=None, unbatched=(), chunk_size=None, path="auto", report=False):
+    """One DP-SGD step's gradient in one call, {name: tensor of shape *param.shape}:
+    (sum_i min(1, max_norm / (n_i + 1e-6)) * g_i + N(0, (noise_multiplier * max_norm)^2)) / B,
+    the arithmetic of Chapter 3's clip_and_noise without any (B, *shape) tensor: the norms n_i from
+    per_sample_grad_norms (or `norms`, when already computed on the same model and batch), the clipped sum
+    from one backward pass of the reweighted loss (clipped_grad_sum), then the noise (noised_mean, drawn on
+    the CPU from `generator` and moved). B is expected_batch_size when given (Poisson sampling), else the
+    batch's size. To accumulate micro-batches, sum clipped_grad_sum over them and call noised_mean once.
+    inputs, targets, unbatched, loss_fn, chunk_size, path and report as in per_sample_grad_norms; the report
+    is the clipped sum's."""
+    batch = _as_batch(inputs, targets, unbatched)
+    divisor = len(batch) if expected_batch_size is None else expected_batch_size
+    clipped, how = clipped_grad_sum(model, loss_fn, inputs, targets, max_norm=max_norm, norms=norms, unbatched=unbatched,
+                                    chunk_size=chunk_size, path=path, report=True)
+    with torch.inference_mode(False):  # ordinary tensors, also when called under inference_mode
+        result = noised_mean(clipped, max_norm=max_norm, noise_multiplier=noise_multiplier, expected_batch_size=divisor,
+                             generator=generator)
+    return (result, how) if report else result
+
+
+def clipped_grad_sum(model, loss_fn, inputs, targets=None, *, max_norm, norms=None, unbatched=(), chunk_size=None,
+                     path="auto", report=False):
+    """sum_i min(1, max_norm / (n_i + 1e-6)) * g_i, {name: tensor of shape *param.shape}: the sum of the
+    examples' gradients, each clipped to norm max_norm, without noise (the part of a DP-SGD step that
+    micro-batches add up). norms: each example's gradient norm n_i, a (B,) tensor from per_sample_grad_norms
+    on the same model and batch; computed here when None. The sum is one backward pass of the reweighted
+    loss sum_i min(1, max_norm / n_i) * loss_i, so no (B, *shape) tensor is held. path and report as in
+    per_sample_grad_norms: the backward pass runs from the batched forward pass where a trace shows it exact
+    ("fast"), else from vmap's ("vmap", "unroll"), else from one forward pass per example ("loop")."""
+    trainable = _check_model(model)
+    batch = _as_batch(inputs, targets, unbatched)
+    _check_chunk_size(chunk_size)
     _check_path(path)
-    if not isinstance(norms, torch.Tensor) or norms.shape != (len(inputs),):
-        raise ValueError(f"norms must be a ({len(inputs)},) tensor, one norm per example")
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
-    if not noise_multiplier >= 0:
-        raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}")
-    divisor = len(inputs) if expected_batch_size is None else expected_batch_size
-    if not divisor > 0:
-        raise ValueError(f"the batch is empty or expected_batch_size is not positive ({divisor})")
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    weights = (max_norm / (norms.detach() + 1e-6)).clamp(max=1.0)
+    if norms is None:
+        norms = per_sample_grad_norms(model, loss_fn, inputs, targets, unbatched=unbatched, chunk_size=chunk_size, path=path)
+    if not isinstance(norms, torch.Tensor) or norms.shape != (len(batch),):
+        raise ValueError(f"norms must be a ({len(batch)},) tensor, one norm per example")
     with torch.inference_mode(False), torch.enable_grad():
+        batch = batch.usable_outside_inference_mode()
+        weights = (max_norm / (norms.detach().clone() + 1e-6)).clamp(max=1.0)  # clone: norms made under inference_mode
+        if len(batch) == 0:
+            zeros = {name: torch.zeros_like(p) for name, p in trainable.items()}
+            return (zeros, PathReport("none", "the batch is empty")) if report else zeros
         output = None
         reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(
             model, trainable, ("layer_norm", "embedding"))
         if reason is None:  # the plain batched forward, where a trace shows it exact
-            output, _, reason = _traced_forward(model, inputs, trainable, ("layer_norm", "embedding"))
+            output, _, reason = _traced_forward(model, batch, trainable, ("layer_norm", "embedding"))
         if output is not None:
-            losses = _losses_of_each(loss_fn, output, targets)
+            losses = _losses_of_each(loss_fn, output, batch)
             grads = torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), list(trainable.values()), allow_unused=True)
             how = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
         elif path == "fast":
             raise ValueError(f"the fast path does not apply: {reason}")
         else:
-            grads, how = _reweighted_by_vmap_or_loop(model, loss_fn, inputs, targets, trainable, weights, path, reason)
-    result = {}
-    for (name, p), g in zip(trainable.items(), grads):
-        noise = torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device)
-        result[name] = ((torch.zeros_like(p) if g is None else g) + noise_multiplier * max_norm * noise) / divisor
+            grads, how = _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason)
+    result = {name: (torch.zeros_like(p) if g is None else g) for (name, p), g in zip(trainable.items(), grads)}
     return (result, how) if report else result
 
 
-def _reweighted_by_vmap_or_loop(model, loss_fn, inputs, targets, trainable, weights, path, reason):
+def _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason):
     """The gradient of sum_i weights[i] * loss_i, each loss on a batch of one, and its PathReport: under vmap
     (Chapter 3's driver: the path asked for, or recurrent layers unrolled), else, where that raised, one
     example at a time."""
     params = list(trainable.values())
 
     def by_vmap(module):  # every example's loss on a batch of one, in one batched forward pass, then one backward pass
-        losses = vmap(lambda x, t: loss_fn(module(x[None]), t[None]), randomness="different")(inputs, targets)
-        if losses.shape != (len(inputs),):
-            raise ValueError(f"loss_fn must return a scalar, the loss of one example; got losses of shape {tuple(losses.shape)}")
+        loss_of_one, in_dims, values = batch.per_example(lambda _, one: _scalar_loss(one.loss(loss_fn, one.call(module))))
+        losses = vmap(loss_of_one, in_dims=(None, *in_dims), randomness="different")(None, *values)
         return torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), params, allow_unused=True)
 
     def by_loop():
-        weighted = sum(w * loss_fn(model(inputs[n : n + 1]), targets[n : n + 1]) for n, w in enumerate(weights))
+        weighted = sum(w * _scalar_loss(batch.example(n).loss(loss_fn, batch.example(n).call(model))) for n, w in enumerate(weights))
         return torch.autograd.grad(weighted, params, allow_unused=True)
 
     return _with_fallbacks(model, path, by_vmap, by_loop, reason)

@@ -1,0 +1,234 @@
+"""How every recipe reads its batch, and the one validator of models and inputs they all call.
+
+The batch convention, the same in every recipe that takes data:
+
+- ``inputs`` is what the model is called with: a tensor (``model(inputs)``), a tuple or list of
+  positional arguments (``model(*inputs)``) or a dict of keyword arguments (``model(**inputs)``, the
+  dict a Hugging Face data collator returns).
+- ``targets`` is what ``loss_fn`` takes besides the model's output: a tensor, a tuple or a dict of
+  tensors, or None, and then ``loss_fn`` is called with the output alone. ``loss_fn`` receives
+  whatever the model returns (a tensor, a tuple, a ``ModelOutput``).
+- Every tensor in ``inputs`` and ``targets`` holds the examples along dimension 0, all with the same
+  number of rows, except the arguments named in ``unbatched`` (positions of a tuple, keys of a dict),
+  which every example receives whole (a shared mask, position ids of shape (1, T)). Values that are
+  not tensors (None, flags such as ``use_cache=False``) are passed as they are.
+
+The validator's answers (tests/test_validation.py checks every one for every recipe):
+
+==========================================  ==========================================================
+case                                        answer
+==========================================  ==========================================================
+B = 0 (an empty batch)                      per-example recipes return empty results (B = 0 rows) and
+                                            report path "none"; output_jacobian finds Y from the model's
+                                            output on the empty batch; the DP step returns noise alone
+                                            when ``expected_batch_size`` is given, else ValueError;
+                                            curvature recipes: ValueError (the loss of no examples)
+tensors with different numbers of rows      ValueError naming both arguments and their row counts
+a loss that is not one number               ValueError: ``loss_fn`` must return a scalar
+BatchNorm in training mode (or without      ValueError for every recipe: the batch's statistics mix the
+running statistics)                         examples (per-example recipes) and change on every call
+                                            (curvature); call ``model.eval()``
+a random module (Dropout, ...) in           per-example recipes: each example draws its own randomness
+training mode                               (``vmap(..., randomness="different")``), as the loop does;
+                                            curvature recipes: ValueError (the curvature of a random
+                                            function); call ``model.eval()``
+no parameter requires grad                  ValueError for every recipe
+called inside ``torch.no_grad()`` or        every recipe computes as outside them (gradients are
+``torch.inference_mode()``                  enabled inside the call; inference tensors are copied);
+                                            results are ordinary tensors
+==========================================  ==========================================================
+
+Also copied, without this docstring, into the notebook cells tagged ``shared-batch`` by
+scripts/build_shared.py: edit it here.
+"""
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+# Modules whose forward in training mode draws random numbers.
+_RANDOM_IN_TRAINING = (nn.modules.dropout._DropoutNd, nn.RReLU)
+
+
+class _Batch:
+    """One batch under the convention above: the model's positional and keyword arguments, the targets,
+    and which tensors carry examples along dimension 0. Built and checked by _as_batch."""
+
+    def __init__(self, args: tuple, kwargs: dict, targets: Any, batched_args: tuple[bool, ...],
+                 batched_kwargs: dict[str, bool], size: int):
+        self.args, self.kwargs, self.targets, self.size = args, kwargs, targets, size
+        self.batched_args, self.batched_kwargs = batched_args, batched_kwargs
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _leaves(self) -> tuple[list, Any, list[bool]]:
+        """Every leaf of (args, kwargs, targets), their structure, and whether each carries examples."""
+        leaves, spec = tree_flatten((self.args, self.kwargs, self.targets))
+        batched = []
+        for k, value in enumerate(self.args):
+            batched += [self.batched_args[k] and isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0]]
+        for key, value in self.kwargs.items():
+            batched += [self.batched_kwargs[key] and isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0]]
+        batched += [isinstance(leaf, torch.Tensor) for leaf in tree_flatten(self.targets)[0]]
+        assert len(batched) == len(leaves)
+        return leaves, spec, batched
+
+    def _rebuild(self, leaves: list) -> "_Batch":
+        args, kwargs, targets = tree_unflatten(leaves, self._leaves()[1])
+        return _Batch(tuple(args), dict(kwargs), targets, self.batched_args, self.batched_kwargs,
+                      self.size if not leaves else self._size_of(leaves))
+
+    def _size_of(self, leaves: list) -> int:
+        _, _, batched = self._leaves()
+        sizes = [leaf.shape[0] for leaf, b in zip(leaves, batched) if b]
+        return sizes[0] if sizes else self.size
+
+    def rows(self, rows: slice) -> "_Batch":
+        """The examples in `rows`, as a batch of its own."""
+        leaves, _, batched = self._leaves()
+        return self._rebuild([leaf[rows] if b else leaf for leaf, b in zip(leaves, batched)])
+
+    def example(self, n: int) -> "_Batch":
+        """Example n as a batch of one."""
+        return self.rows(slice(n, n + 1))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors that carry examples: the model's (not the targets)."""
+        leaves, _, batched = self._leaves()
+        count = len(tree_flatten(self.targets)[0])
+        return [leaf for leaf, b in zip(leaves[: len(leaves) - count], batched) if b]
+
+    def call(self, model: Callable[..., Any], params: dict | None = None) -> Any:
+        """model(*args, **kwargs), or functional_call of it (an nn.Module) with params."""
+        if params is None:
+            return model(*self.args, **self.kwargs)
+        assert isinstance(model, nn.Module)
+        return functional_call(model, params, self.args, self.kwargs)
+
+    def loss(self, loss_fn: Callable, output: Any) -> Any:
+        return loss_fn(output) if self.targets is None else loss_fn(output, self.targets)
+
+    def per_example(self, f: Callable[..., Any]) -> tuple[Callable[..., Any], tuple, tuple]:
+        """(g, in_dims, leaves) such that vmap(g, in_dims=(None, *in_dims))(extra, *leaves) calls
+        f(extra, one) for every example, `one` being that example as a batch of one."""
+        leaves, spec, batched = self._leaves()
+
+        def g(extra, *values):
+            one = [v.unsqueeze(0) if b else v for v, b in zip(values, batched)]
+            args, kwargs, targets = tree_unflatten(one, spec)
+            return f(extra, _Batch(tuple(args), dict(kwargs), targets, self.batched_args, self.batched_kwargs, 1))
+
+        return g, tuple(0 if b else None for b in batched), tuple(leaves)
+
+    def usable_outside_inference_mode(self) -> "_Batch":
+        """A copy whose inference tensors (made inside torch.inference_mode()) are ordinary tensors."""
+        leaves, _, _ = self._leaves()
+        if not any(isinstance(leaf, torch.Tensor) and leaf.is_inference() for leaf in leaves):
+            return self
+        return self._rebuild([leaf.clone() if isinstance(leaf, torch.Tensor) and leaf.is_inference() else leaf for leaf in leaves])
+
+
+def _as_batch(inputs: Any, targets: Any = None, unbatched: Any = ()) -> _Batch:
+    """Check inputs and targets under the batch convention (the module docstring) and return them as a _Batch.
+    Raises TypeError for a container it does not know and ValueError, naming the argument, for tensors
+    whose numbers of rows differ or that have no dimension 0."""
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    if isinstance(inputs, torch.Tensor):
+        args, kwargs, names = (inputs,), {}, ["inputs"]
+    elif isinstance(inputs, (tuple, list)):
+        args, kwargs, names = tuple(inputs), {}, [f"inputs[{k}]" for k in range(len(inputs))]
+    elif isinstance(inputs, Mapping):
+        if not all(isinstance(key, str) for key in inputs):
+            raise TypeError("a dict of inputs must have str keys: the model's keyword arguments")
+        args, kwargs, names = (), dict(inputs), []
+    else:
+        raise TypeError(f"inputs must be a tensor, a tuple of the model's positional arguments or a dict of its "
+                        f"keyword arguments, got {type(inputs).__name__}")
+    unbatched = (unbatched,) if isinstance(unbatched, (int, str)) else tuple(unbatched or ())
+    for key in unbatched:
+        known = key in kwargs if isinstance(key, str) else isinstance(key, int) and -len(args) <= key < len(args)
+        if not known or isinstance(key, bool):
+            raise ValueError(f"unbatched names {key!r}, which is not one of the inputs' "
+                             + ("keys" if kwargs else "positions"))
+    positions = {k % len(args) for k in unbatched if isinstance(k, int)}
+    batched_args = tuple(k not in positions for k in range(len(args)))
+    batched_kwargs = {key: key not in unbatched for key in kwargs}
+    named: list[tuple[str, Any]] = [(names[k], value) for k, value in enumerate(args) if batched_args[k]]
+    named += [(f"inputs[{key!r}]", value) for key, value in kwargs.items() if batched_kwargs[key]]
+    if targets is not None:
+        if not isinstance(targets, (torch.Tensor, tuple, list, Mapping)):
+            raise TypeError(f"targets must be a tensor, a tuple or a dict of tensors, or None, got {type(targets).__name__}")
+        named.append(("targets", targets))
+    size, first = None, None
+    for name, value in named:
+        for leaf in tree_flatten(value)[0]:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if leaf.dim() == 0:
+                raise ValueError(f"{name} is a 0-d tensor, but examples go along dimension 0"
+                                 + (" (name it in unbatched= to give it whole to every example)" if name != "targets" else ""))
+            if size is None:
+                size, first = leaf.shape[0], name
+            elif leaf.shape[0] != size:
+                raise ValueError(f"{name} has {leaf.shape[0]} rows along dimension 0 but {first} has {size}: every "
+                                 "tensor of a batch holds one row per example")
+    if size is None:
+        raise ValueError("the batch holds no tensor with examples along dimension 0")
+    return _Batch(args, kwargs, targets, batched_args, batched_kwargs, size)
+
+
+def _check_model(model: nn.Module, *, deterministic: bool = False) -> dict[str, nn.Parameter]:
+    """The one check of a recipe's model; returns its trainable parameters {name: parameter}.
+    deterministic=True (the curvature recipes) also refuses modules that draw random numbers in training mode."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and (module.training or module.running_mean is None):
+            raise ValueError(f"{name or 'the model'} ({type(module).__name__}) is a BatchNorm in training mode or without "
+                             "running statistics: it normalises with the statistics of the batch it sees, which mix the "
+                             "examples and change from call to call; call model.eval() (after training with running "
+                             "statistics), or use GroupNorm/LayerNorm")
+        if deterministic and isinstance(module, _RANDOM_IN_TRAINING) and module.training:
+            raise ValueError(f"{name or 'the model'} ({type(module).__name__}) is random in training mode, so the "
+                             "loss is a different function on every call and has no curvature to measure; call model.eval()")
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if not trainable:
+        raise ValueError("the model has no parameters that require grad")
+    return trainable
+
+
+def _gradients_enabled(recipe: Callable[..., Any]) -> Callable[..., Any]:
+    """Runs a recipe as it runs outside torch.no_grad() and torch.inference_mode(): gradients enabled, and
+    tensor arguments made inside inference_mode copied to ordinary tensors, so results are ordinary tensors."""
+
+    @functools.wraps(recipe)
+    def run(*args, **kwargs):
+        with torch.inference_mode(False), torch.enable_grad():
+            leaves, spec = tree_flatten((args, kwargs))
+            if any(isinstance(leaf, torch.Tensor) and leaf.is_inference() for leaf in leaves):
+                args, kwargs = tree_unflatten([leaf.clone() if isinstance(leaf, torch.Tensor) and leaf.is_inference() else leaf
+                                               for leaf in leaves], spec)
+            return recipe(*args, **kwargs)
+
+    return run
+
+
+def _check_chunk_size(chunk_size: Any) -> None:
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+
+
+def _scalar_loss(loss: Any) -> torch.Tensor:
+    """The loss of one example (or of a whole batch, in the curvature recipes), checked to be one number."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar (a 0-d tensor), but returned {shape}: reduce it, "
+                         "e.g. with reduction='mean' or 'sum'")
+    return loss

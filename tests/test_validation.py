@@ -1,0 +1,236 @@
+"""The batch convention and the one validator (src/torch_func_recipes/_batch.py), recipe by recipe.
+
+Every recipe that takes data reads its batch the same way (a tensor, a tuple of positional inputs or a
+dict of keyword inputs; targets of any of those shapes, or None; tensors named in `unbatched` given whole
+to every example), and answers the same questions the same documented way: an empty batch, tensors with
+different numbers of rows, a loss that is not one number, BatchNorm in training mode, a random module in
+training mode, no trainable parameter, and a call inside no_grad or inference_mode. The table in _batch's
+docstring is what these tests check."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_func_recipes as tfr
+
+GEN = torch.Generator().manual_seed(31)
+X = torch.randn(5, 4, generator=GEN, dtype=torch.float64)
+Z = torch.randn(5, 2, generator=GEN, dtype=torch.float64)
+SCALE = torch.rand(3, generator=GEN, dtype=torch.float64) + 0.5
+T = torch.randint(3, (5,), generator=GEN)
+
+
+class TwoInputs(nn.Module):
+    """Two batched inputs, an optional shared scale, and (as_dict=True) a dict as output, as a Hugging Face model returns."""
+
+    def __init__(self, as_dict=False):
+        super().__init__()
+        self.a, self.b, self.head, self.as_dict = nn.Linear(4, 3), nn.Linear(2, 3), nn.Linear(3, 3), as_dict
+
+    def forward(self, x, z, scale=None):
+        h = torch.tanh(self.a(x) + self.b(z))
+        logits = self.head(h * scale if scale is not None else h)
+        return {"logits": logits} if self.as_dict else logits
+
+
+def two_inputs(as_dict=False):
+    torch.manual_seed(32)
+    return TwoInputs(as_dict).double()
+
+
+def loop_grads(model, loss_of_example):
+    """{name: (B, *shape)} from one autograd call per example; loss_of_example(n) is example n's loss."""
+    params = dict(model.named_parameters())
+    rows = [torch.autograd.grad(loss_of_example(n), list(params.values())) for n in range(len(X))]
+    return {name: torch.stack([row[k] for row in rows]) for k, name in enumerate(params)}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-10, atol=1e-12) for k in a)
+
+
+CE = F.cross_entropy
+CE_OF_DICT = lambda out, t: F.cross_entropy(out["logits"], t)  # noqa: E731
+
+
+@pytest.mark.parametrize("path", ["auto", "fast", "vmap", "loop"])
+def test_inputs_as_a_tuple_a_dict_and_with_a_shared_tensor_equal_the_loop(path):
+    model = two_inputs()
+    expected = loop_grads(model, lambda n: CE(model(X[n : n + 1], Z[n : n + 1], SCALE), T[n : n + 1]))
+    for inputs, unbatched in [((X, Z, SCALE), 2), ({"x": X, "z": Z, "scale": SCALE}, "scale"), ([X, Z, SCALE], (-1,))]:
+        grads, how = tfr.per_sample_grads(model, CE, inputs, T, unbatched=unbatched, path=path, report=True)
+        assert same(grads, expected) and how.path == ("fast" if path == "auto" else path), how.reason
+    norms = tfr.per_sample_grad_norms(model, CE, {"x": X, "z": Z, "scale": SCALE}, T, unbatched="scale", path=path)
+    assert torch.allclose(norms, torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1), rtol=1e-10)
+
+
+def test_a_shared_tensor_must_be_named_and_the_wrong_argument_is_named():
+    """Without unbatched=, SCALE (3 rows) is taken for a batched tensor and refused, naming it: the check can fail."""
+    model = two_inputs()
+    with pytest.raises(ValueError, match=r"inputs\['scale'\] has 3 rows along dimension 0 but inputs\['x'\] has 5"):
+        tfr.per_sample_grads(model, CE, {"x": X, "z": Z, "scale": SCALE}, T)
+    with pytest.raises(ValueError, match=r"targets has 4 rows along dimension 0 but inputs\[0\] has 5"):
+        tfr.per_sample_grads(model, CE, (X, Z), T[:4])
+    with pytest.raises(ValueError, match="unbatched names 'mask'"):
+        tfr.per_sample_grads(model, CE, {"x": X, "z": Z}, T, unbatched="mask")
+    with pytest.raises(TypeError, match="inputs must be a tensor, a tuple"):
+        tfr.per_sample_grads(model, CE, {X, Z}, T)
+
+
+def test_loss_fn_receives_whatever_the_model_returns_and_targets_may_be_absent():
+    model = two_inputs(as_dict=True)
+    expected = loop_grads(model, lambda n: CE_OF_DICT(model(X[n : n + 1], Z[n : n + 1]), T[n : n + 1]))
+    grads, how = tfr.per_sample_grads(model, CE_OF_DICT, {"x": X, "z": Z}, T, report=True)
+    assert same(grads, expected) and how.path == "vmap" and "not one tensor" in how.reason
+    no_targets = lambda out: out["logits"].square().sum()  # noqa: E731
+    expected = loop_grads(model, lambda n: no_targets(model(X[n : n + 1], Z[n : n + 1])))
+    assert same(tfr.per_sample_grads(model, no_targets, (X, Z)), expected)
+    jacobian = tfr.output_jacobian(model, (X, Z), select=lambda out: out["logits"])
+    plain = tfr.output_jacobian(two_inputs(), (X, Z))
+    assert jacobian.shape == (5, 3, sum(p.numel() for p in model.parameters())) and torch.allclose(jacobian, plain, rtol=1e-10)
+    with pytest.raises(ValueError, match=r"needs a model whose output is \(B, Y\)"):
+        tfr.output_jacobian(model, (X, Z))
+
+
+def model_and_loss():
+    torch.manual_seed(33)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def vector_like(model):
+    return {n: torch.ones_like(p) for n, p in model.named_parameters()}
+
+
+PER_EXAMPLE = {
+    "per_sample_grads": lambda m, loss, x, t: tfr.per_sample_grads(m, loss, x, t),
+    "per_sample_grad_norms": lambda m, loss, x, t: tfr.per_sample_grad_norms(m, loss, x, t),
+    "clipped_grad_sum": lambda m, loss, x, t: tfr.clipped_grad_sum(m, loss, x, t, max_norm=1.0),
+    "clipped_noisy_gradient": lambda m, loss, x, t: tfr.clipped_noisy_gradient(m, loss, x, t, max_norm=1.0, noise_multiplier=0.0,
+                                                                                expected_batch_size=5),
+    "output_jacobian": lambda m, loss, x, t: tfr.output_jacobian(m, x),
+}
+CURVATURE = {
+    "param_hvp": lambda m, loss, x, t: tfr.param_hvp(m, loss, x, t, vector_like(m)),
+    "ggn_vp": lambda m, loss, x, t: tfr.ggn_vp(m, loss, x, t, vector_like(m)),
+    "empirical_fisher_vp": lambda m, loss, x, t: tfr.empirical_fisher_vp(m, loss, x, t, vector_like(m)),
+    "ggn_diagonal": lambda m, loss, x, t: tfr.ggn_diagonal(m, loss, x, t),
+    "hessian_trace": lambda m, loss, x, t: tfr.hessian_trace(m, loss, x, t, samples=2, generator=torch.Generator().manual_seed(0)),
+    "hessian_diagonal": lambda m, loss, x, t: tfr.hessian_diagonal(m, loss, x, t, samples=2, generator=torch.Generator().manual_seed(0)),
+    "top_hessian_eigenvalues": lambda m, loss, x, t: tfr.top_hessian_eigenvalues(m, loss, x, t, k=1, generator=torch.Generator().manual_seed(0)),
+    "gauss_newton_step": lambda m, loss, x, t: tfr.gauss_newton_step(m, loss, x, t, damping=1.0),
+    "influence_scores": lambda m, loss, x, t: tfr.influence_scores(m, loss, x, t, x, t, damping=1.0),
+}
+ALL = {**PER_EXAMPLE, **CURVATURE}
+
+
+def flat(result):
+    if isinstance(result, dict):
+        return torch.cat([v.flatten() for v in result.values()])
+    return torch.as_tensor(result).flatten()
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+def test_an_empty_batch_gives_empty_results(recipe):
+    model = model_and_loss()
+    result = PER_EXAMPLE[recipe](model, CE, X[:0], T[:0])
+    expected = {"per_sample_grads": lambda: {n: (0, *p.shape) for n, p in model.named_parameters()},
+                "per_sample_grad_norms": lambda: (0,),
+                "output_jacobian": lambda: (0, 3, sum(p.numel() for p in model.parameters())),
+                "clipped_grad_sum": lambda: {n: tuple(p.shape) for n, p in model.named_parameters()},
+                "clipped_noisy_gradient": lambda: {n: tuple(p.shape) for n, p in model.named_parameters()}}[recipe]()
+    shapes = {n: tuple(v.shape) for n, v in result.items()} if isinstance(result, dict) else tuple(result.shape)
+    assert shapes == expected
+    if isinstance(result, dict) and recipe != "per_sample_grads":
+        assert all(v.abs().sum() == 0 for v in result.values())  # no example: no clipped gradient; the noise is off
+
+
+def test_the_dp_step_on_an_empty_batch_is_noise_alone_with_an_expected_batch_size_else_refused():
+    model = model_and_loss()
+    noisy = tfr.clipped_noisy_gradient(model, CE, X[:0], T[:0], max_norm=2.0, noise_multiplier=1.0, expected_batch_size=4,
+                                       generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)
+    assert same(noisy, {n: 2.0 * torch.randn(p.shape, generator=g, dtype=p.dtype) / 4 for n, p in model.named_parameters()})
+    with pytest.raises(ValueError, match="the batch is empty"):
+        tfr.clipped_noisy_gradient(model, CE, X[:0], T[:0], max_norm=2.0, noise_multiplier=1.0)
+
+
+@pytest.mark.parametrize("recipe", list(CURVATURE))
+def test_curvature_of_an_empty_batch_is_refused(recipe):
+    with pytest.raises(ValueError, match="the batch is empty: a loss over no examples has no curvature"):
+        CURVATURE[recipe](model_and_loss(), CE, X[:0], T[:0])
+
+
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_mismatched_lengths_are_refused_naming_both(recipe):
+    if recipe == "output_jacobian":  # no targets: two inputs instead
+        with pytest.raises(ValueError, match=r"inputs\[1\] has 4 rows along dimension 0 but inputs\[0\] has 5"):
+            tfr.output_jacobian(two_inputs(), (X, Z[:4]))
+        return
+    with pytest.raises(ValueError, match=r"targets has 4 rows along dimension 0 but inputs has 5"):
+        ALL[recipe](model_and_loss(), CE, X, T[:4])
+
+
+@pytest.mark.parametrize("recipe", [r for r in ALL if r != "output_jacobian"])
+def test_a_loss_that_is_not_one_number_is_refused(recipe):
+    per_example = lambda out, t: F.cross_entropy(out, t, reduction="none")  # noqa: E731  (B,) for B examples, (1,) for one
+    with pytest.raises(ValueError, match="loss_fn must return a scalar"):
+        ALL[recipe](model_and_loss(), per_example, X, T)
+
+
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_batchnorm_in_training_mode_is_refused(recipe):
+    torch.manual_seed(34)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"1 \(BatchNorm1d\) is a BatchNorm in training mode"):
+        ALL[recipe](model, CE, X, T)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # running statistics untouched
+    model.eval()
+    ALL[recipe](model, CE, X, T)  # in eval mode it runs
+
+
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_a_random_module_in_training_mode(recipe):
+    """Per-example recipes: each example draws its own mask, as the loop does (so two calls differ). Curvature: refused."""
+    torch.manual_seed(35)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.5), nn.Linear(6, 3)).double()
+    if recipe in CURVATURE:
+        with pytest.raises(ValueError, match=r"1 \(Dropout\) is random in training mode.*call model.eval\(\)"):
+            CURVATURE[recipe](model, CE, X, T)
+        model.eval()
+        CURVATURE[recipe](model, CE, X, T)
+        return
+    first, second = flat(PER_EXAMPLE[recipe](model, CE, X, T)), flat(PER_EXAMPLE[recipe](model, CE, X, T))
+    assert torch.isfinite(first).all() and not torch.equal(first, second)
+    model.eval()
+    assert torch.equal(flat(PER_EXAMPLE[recipe](model, CE, X, T)), flat(PER_EXAMPLE[recipe](model, CE, X, T)))
+
+
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_no_trainable_parameter_is_refused(recipe):
+    with pytest.raises(ValueError, match="the model has no parameters that require grad"):
+        ALL[recipe](model_and_loss().requires_grad_(False), CE, X, T)
+
+
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_inside_no_grad_and_inference_mode_the_answer_is_the_same(recipe):
+    model = model_and_loss()
+    expected = flat(ALL[recipe](model, CE, X, T))
+    with torch.no_grad():
+        assert torch.allclose(flat(ALL[recipe](model, CE, X, T)), expected, rtol=1e-10)
+    with torch.inference_mode():
+        x, t = X.clone(), T.clone()  # inference tensors
+        result = ALL[recipe](model, CE, x, t)
+    assert torch.allclose(flat(result), expected, rtol=1e-10)
+    leaves = list(result.values()) if isinstance(result, dict) else [result] if isinstance(result, torch.Tensor) else []
+    assert not any(v.is_inference() for v in leaves)
+
+
+@pytest.mark.parametrize("recipe", list(CURVATURE))
+def test_curvature_says_what_is_not_implemented_yet(recipe):
+    model = model_and_loss()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, T), batch_size=2)
+    with pytest.raises(NotImplementedError, match="iterable of batches"):
+        CURVATURE[recipe](model, CE, loader, None)
+    with pytest.raises(NotImplementedError, match="tuples and dicts"):
+        CURVATURE[recipe](model, CE, (X,), T)
