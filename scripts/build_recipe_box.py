@@ -71,7 +71,7 @@ IMPORTS = {
         "stack_module_state", "vjp", "vmap")},
 }
 # Names the shared basics cell defines (book/_shared/basics.py).
-BASICS = {"device", "make", "matches", "hardware", "os", "platform", "warnings"}
+BASICS = {"device", "make", "matches", "hardware", "os", "platform", "warnings", "Callable", "Iterable", "Sequence", "Any"}
 
 IDIOM = '''\
 torch.manual_seed(0)  # the tiny model's initial weights, the same on every run
@@ -182,7 +182,7 @@ class Cell:
 
     def __init__(self, page: str, source: str):
         self.page, self.source = page, source
-        self.defines: list[str] = []            # top-level functions and classes, in order
+        self.defines: list[str] = []            # top-level functions, classes and private assigned names, in order
         self.imports: set[str] = set()          # names bound by its top-level imports
         self.uses: dict[str, set[str]] = {}     # top-level definition -> free names it uses
         self.free: set[str] = set()             # every free name of the cell
@@ -219,6 +219,12 @@ def analyse(page: str, source: str) -> Cell:
             cell.uses[node.name] = _free_names(node)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             cell.imports.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):  # a private module-level name (_RULES, a type alias)
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for bound in ast.walk(target):
+                    if isinstance(bound, ast.Name) and bound.id.startswith("_") and bound.id not in cell.defines:
+                        cell.defines.append(bound.id)
+                        cell.uses[bound.id] = _free_names(node.value) if node.value is not None else set()
     top_level = _bound_names(ast.Module(body=[n for n in tree.body if not isinstance(
         n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))], type_ignores=[])) | set(cell.defines)
     cell.free = (_free_names(tree) | set().union(*cell.uses.values())) - top_level

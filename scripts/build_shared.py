@@ -8,7 +8,8 @@ fails when a copy drifts. A copy comes from one of two places:
 
 - book/_shared/<name>.py, notebook-only helpers (basics, measure, ...), copied whole;
 - a module of the package, src/torch_func_recipes/ (PACKAGE_MODULES below: shared-batch is _batch.py,
-  shared-batch_trace is _trace.py, shared-vmap_gaps is _vmap_gaps.py), which is their one source. A module is not a
+  shared-layers is _layers.py and shared-layer_<kind> its rules, shared-batch_trace is _trace.py,
+  shared-vmap_gaps is _vmap_gaps.py), which is their one source. A module is not a
   notebook cell as it stands, so the copy leaves out two things: the module's docstring (the cell's
   header comment says where the code comes from instead) and its relative imports (`from ._trace
   import PathReport`), which mean nothing outside the package; a notebook gets those names from the
@@ -36,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TAG = "shared-"
 # The package the shared cells below come from: the real one, even when `root` is a scratch copy of the book.
 PACKAGE = ROOT / "src" / "torch_func_recipes"
-PACKAGE_MODULES = {"batch": "_batch.py", "batch_trace": "_trace.py", "vmap_gaps": "_vmap_gaps.py"}
+PACKAGE_MODULES = {"batch": "_batch.py", "layers": "_layers.py", "layer_linear": "_layer_linear.py", "layer_conv": "_layer_conv.py",
+                   "layer_norm": "_layer_norm.py", "layer_embedding": "_layer_embedding.py", "batch_trace": "_trace.py",
+                   "vmap_gaps": "_vmap_gaps.py"}
 
 
 def as_cell(module_source: str) -> str:

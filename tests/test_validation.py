@@ -64,6 +64,23 @@ def test_inputs_as_a_tuple_a_dict_and_with_a_shared_tensor_equal_the_loop(path):
     assert torch.allclose(norms, torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1), rtol=1e-10)
 
 
+def test_inputs_as_the_recipes_own_keywords_as_a_collators_batch_is_passed():
+    """per_sample_grads(model, loss_fn, targets=t, **batch): the same as the dict, on every per-example recipe."""
+    model = two_inputs()
+    batch = {"x": X, "z": Z, "scale": SCALE}
+    expected = loop_grads(model, lambda n: CE(model(X[n : n + 1], Z[n : n + 1], SCALE), T[n : n + 1]))
+    assert same(tfr.per_sample_grads(model, CE, targets=T, unbatched="scale", **batch), expected)
+    norms = tfr.per_sample_grad_norms(model, CE, targets=T, unbatched="scale", **batch)
+    assert torch.allclose(norms, torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1), rtol=1e-10)
+    step = tfr.clipped_noisy_gradient(model, CE, targets=T, max_norm=1e9, noise_multiplier=0.0, unbatched="scale", **batch)
+    assert same(step, {n: g.mean(0) for n, g in expected.items()})  # a clipping norm no example reaches: the mean gradient
+    assert torch.allclose(tfr.output_jacobian(model, unbatched="scale", **batch), tfr.output_jacobian(model, batch, unbatched="scale"))
+    with pytest.raises(TypeError, match="either as one argument .* or as keyword arguments \\(x, z, scale\\), not both"):
+        tfr.per_sample_grads(model, CE, (X, Z), T, **batch)
+    with pytest.raises(TypeError, match="no inputs"):
+        tfr.per_sample_grads(model, CE, targets=T)
+
+
 def test_a_shared_tensor_must_be_named_and_the_wrong_argument_is_named():
     """Without unbatched=, SCALE (3 rows) is taken for a batched tensor and refused, naming it: the check can fail."""
     model = two_inputs()

@@ -1,6 +1,8 @@
 import os
 import platform
 import warnings
+from collections.abc import Callable, Iterable, Sequence  # noqa: F401 (the recipes' type hints)
+from typing import Any  # noqa: F401
 
 import torch
 

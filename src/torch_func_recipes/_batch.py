@@ -4,7 +4,8 @@ The batch convention, the same in every recipe that takes data:
 
 - ``inputs`` is what the model is called with: a tensor (``model(inputs)``), a tuple or list of
   positional arguments (``model(*inputs)``) or a dict of keyword arguments (``model(**inputs)``, the
-  dict a Hugging Face data collator returns).
+  dict a Hugging Face data collator returns). The per-example recipes also take the keyword arguments
+  as their own (``per_sample_grads(model, loss_fn, targets=labels, **batch)``), in place of inputs.
 - ``targets`` is what ``loss_fn`` takes besides the model's output: a tensor, a tuple or a dict of
   tensors, or None, and then ``loss_fn`` is called with the output alone. ``loss_fn`` receives
   whatever the model returns (a tensor, a tuple, a ``ModelOutput``).
@@ -50,6 +51,12 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+# The types of the recipes' public arguments (see the batch convention above).
+_Inputs = torch.Tensor | tuple | list | Mapping[str, Any]  # model(inputs), model(*inputs) or model(**inputs)
+_Unbatched = int | str | tuple | list  # positions or keys of inputs every example receives whole
+_LossFn = Callable[..., torch.Tensor]  # loss_fn(output, targets) or loss_fn(output): a 0-d tensor
+_Grads = dict[str, torch.Tensor]  # {parameter name: tensor}, in named_parameters() order
 
 # Modules whose forward in training mode draws random numbers.
 _RANDOM_IN_TRAINING = (nn.modules.dropout._DropoutNd, nn.RReLU)
@@ -134,10 +141,19 @@ class _Batch:
         return self._rebuild([leaf.clone() if isinstance(leaf, torch.Tensor) and leaf.is_inference() else leaf for leaf in leaves])
 
 
-def _as_batch(inputs: Any, targets: Any = None, unbatched: Any = ()) -> _Batch:
+def _as_batch(inputs: Any, targets: Any = None, unbatched: Any = (), keyword_inputs: dict[str, Any] | None = None) -> _Batch:
     """Check inputs and targets under the batch convention (the module docstring) and return them as a _Batch.
-    Raises TypeError for a container it does not know and ValueError, naming the argument, for tensors
-    whose numbers of rows differ or that have no dimension 0."""
+    keyword_inputs: the model's keyword arguments given to the recipe as keywords (**batch), in place of
+    inputs. Raises TypeError for a container it does not know and ValueError, naming the argument, for
+    tensors whose numbers of rows differ or that have no dimension 0."""
+    if keyword_inputs:
+        if inputs is not None:
+            raise TypeError("pass the model's inputs either as one argument (a tensor, a tuple or a dict) or as keyword "
+                            f"arguments ({', '.join(keyword_inputs)}), not both")
+        inputs = dict(keyword_inputs)
+    elif inputs is None:
+        raise TypeError("no inputs: pass what the model is called with as a tensor, a tuple or a dict, or as keyword "
+                        "arguments (**batch)")
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     if isinstance(inputs, torch.Tensor):

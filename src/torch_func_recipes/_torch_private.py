@@ -81,7 +81,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "no public API says whether a global module backward pre-hook is registered, and the fast path, "
                "which skips them, must refuse when one is",
                None, None),
-    PrivateAPI("Module._parameters", "object attribute", ("_trace._fast_path_screen", "per_sample._covered_linear_layers"),
+    PrivateAPI("Module._parameters", "object attribute", ("_trace._fast_path_screen", "_trace._owner_rules", "per_sample._covered_linear_layers"),
                "maps each module's own parameters by their short names, a parameter registered under two names "
                "included, which named_parameters(recurse=False) would drop as a duplicate",
                "module.named_parameters(recurse=False, remove_duplicate=False)", lambda: nn.Linear(1, 1)),
@@ -113,7 +113,9 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "the operator's schema names its arguments with their defaults and says which ones it writes into; "
                "the public OpOverload attributes (name(), tags) do not",
                None, lambda: torch.ops.aten.add_.Tensor),
-    PrivateAPI("Tensor._version", "object attribute", ("_trace._BatchTrace.rule", "_trace._traced_forward"),
+    PrivateAPI("Tensor._version", "object attribute", ("_layer_conv._ConvRule.record", "_layer_embedding._EmbeddingRule.record",
+                                                       "_layer_linear._LinearRule.record", "_layer_norm._LayerNormRule.record",
+                                                       "_trace._traced_forward"),
                "the version counter is the only record that an in-place operation changed a layer's input or output "
                "after the trace saved it",
                None, lambda: torch.zeros(1)),

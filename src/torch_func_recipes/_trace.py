@@ -10,12 +10,12 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.func import vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ._batch import _Batch, _scalar_loss
+from ._layers import _LayerRule, _rule_of, _rules_for
 
 
 class PathReport(NamedTuple):
@@ -49,9 +49,12 @@ class _BatchTrace(TorchDispatchMode):
 
     A tensor is 'batched' with r rows per example when its dimension 0 has B*r rows and rows
     [n*r, (n+1)*r) are computed from example n alone. Every operation must keep that true (an
-    allow-list of rules, below); anything else stops the trace. Trainable parameters may be used
-    only as the weight or bias of one linear or convolution operation each, whose input and output
-    are recorded for the per-example products."""
+    allow-list of rules, below); anything else stops the trace. A trainable parameter may be used by
+    one operation only, one that the layer rule of its owning module recognises (the registry in
+    _layers, one module per layer kind), which records the operation's input and output for the
+    per-example products. need: what the caller asks of the rules ("grads", "jacobian" or "norms");
+    only rules that provide it are used. owners: {parameter name: the rule of its owning module}, from
+    _owner_rules; None skips that check (for tests that drive the trace by hand)."""
 
     aten = torch.ops.aten
     ROW_PRESERVING = {  # reshapes and copies: the logical order of elements is kept
@@ -79,9 +82,9 @@ class _BatchTrace(TorchDispatchMode):
         aten.rand_like.default, aten.randn_like.default, aten.new_zeros.default, aten.new_ones.default,
         aten.new_empty.default, aten.new_full.default}
 
-    def __init__(self, batch, inputs, trainable, kinds=()):
+    def __init__(self, batch, inputs, trainable, need="grads", owners=None):
         super().__init__()
-        self.kinds = frozenset(kinds)  # extra layer kinds to record: "layer_norm", "embedding" (Chapter 11's norms)
+        self.rules, self.owners = _rules_for(need), owners
         self.batch, self.rows, self.keep = batch, {id(x): 1 for x in inputs}, list(inputs)  # inputs: the tensors with examples
         self.trainable = {id(p): name for name, p in trainable.items()}
         self.transposed = {}  # id(weight.t()) -> name of the weight
@@ -100,11 +103,16 @@ class _BatchTrace(TorchDispatchMode):
     def param_of(self, t):
         return self.trainable.get(id(t)) if isinstance(t, torch.Tensor) else None
 
-    def use(self, name, func):
+    def use(self, name, func, rule):
+        """Mark parameter `name` as used by `func`, recognised by `rule`: once only, and by its owner's rule."""
         if name is None:
             return None
         if name in self.used:
             self.fail(f"parameter {name} is used twice (by {func} again)")
+        if self.owners is not None and self.owners.get(name) is not rule:
+            owner = self.owners.get(name)
+            self.fail(f"parameter {name} is used by a {rule.kind} operation ({func}), but its module's rule is "
+                      + (owner.kind if owner is not None else "none"))
         self.used.add(name)
         return name
 
@@ -140,60 +148,11 @@ class _BatchTrace(TorchDispatchMode):
 
     def rule(self, func, args, kwargs, result, r, params, transposed):
         B = self.batch
-        if func in (self.aten.t.default, self.aten.transpose.int, self.aten.permute.default) and params and r is None:
-            if len(params) == 1 and args[0].dim() == 2:  # weight.t() on the way to a linear layer
-                self.transposed[id(result)] = params[0]
-                return None
-        if func in (self.aten.addmm.default, self.aten.mm.default) and transposed:
-            bias_arg, a, wt = (args[0], args[1], args[2]) if func is self.aten.addmm.default else (None, args[0], args[1])
-            weight = self.transposed.get(id(wt))
-            bias = self.param_of(bias_arg)
-            if weight is None or self.r_of(a) is None or (bias_arg is not None and bias is None and self.r_of(bias_arg) is not None):
-                self.fail(f"{func} uses a transposed parameter in an unexpected place")
-            if func is self.aten.addmm.default and (bias_arg.dim() != 1 or kwargs or any(
-                    not (isinstance(v, (int, float)) and v == 1) for v in args[3:])):
-                self.fail(f"{func} scales or broadcasts its terms unusually")
-            self.layers.append(dict(kind="linear", weight=self.use(weight, func), bias=self.use(bias, func),
-                                    a=args[1] if bias_arg is not None else args[0], z=result, r=self.r_of(a),
-                                    versions=(a._version, result._version)))
-            return self.r_of(a)
-        if func is self.aten.addmm.default and params == [self.param_of(args[0])] and not transposed:
-            a = args[1]  # a frozen weight with a trainable bias
-            if self.r_of(a) is None or self.r_of(args[2]) is not None or args[0].dim() != 1 or kwargs or any(
-                    not (isinstance(v, (int, float)) and v == 1) for v in args[3:]):
-                self.fail(f"{func} uses parameter {params[0]} in a way the fast path does not know")
-            self.layers.append(dict(kind="linear", weight=None, bias=self.use(params[0], func), a=a, z=result,
-                                    r=self.r_of(a), versions=(a._version, result._version)))
-            return self.r_of(a)
-        if func is self.aten.convolution.default:
-            a, w, b, stride, padding, dilation, transposed_conv, output_padding, groups = args
-            weight, bias = self.param_of(w), self.param_of(b)
-            if r is None or self.r_of(a) != 1 or self.r_of(w) is not None or self.r_of(b) is not None:
-                self.fail(f"{func}: only the input may carry example data")
-            if weight or bias:
-                if transposed_conv or groups != 1 or a.dim() not in (3, 4):
-                    self.fail(f"{func}: transposed, grouped or 3-D convolutions are not on the fast path")
-                self.layers.append(dict(kind="conv", weight=self.use(weight, func), bias=self.use(bias, func),
-                                        a=a, z=result, r=1, stride=stride, padding=padding, dilation=dilation,
-                                        weight_shape=w.shape, versions=(a._version, result._version)))
-            return 1
-        if func is self.aten.native_layer_norm.default and "layer_norm" in self.kinds and params and not transposed:
-            values = self.values_of(func, args, kwargs)
-            x, shape, w, b = values["input"], values["normalized_shape"], values["weight"], values["bias"]
-            if self.r_of(x) is None or self.r_of(w) is not None or self.r_of(b) is not None or len(shape) >= x.dim():
-                self.fail(f"{func}: only the input may carry example data, normalised within each row")
-            self.layers.append(dict(kind="layer_norm", weight=self.use(self.param_of(w), func), bias=self.use(self.param_of(b), func),
-                                    a=x, z=result[0], r=self.r_of(x), shape=list(shape), eps=values["eps"],
-                                    versions=(x._version, result[0]._version)))
-            return self.r_of(x)
-        if func is self.aten.embedding.default and "embedding" in self.kinds and params and not transposed:
-            values = self.values_of(func, args, kwargs)
-            w, ids = values["weight"], values["indices"]
-            if self.param_of(w) is None or self.r_of(ids) is None or values["scale_grad_by_freq"]:
-                self.fail(f"{func}: only the indices may carry example data, without scale_grad_by_freq")
-            self.layers.append(dict(kind="embedding", weight=self.use(self.param_of(w), func), bias=None, a=ids, z=result,
-                                    r=self.r_of(ids), padding_idx=values["padding_idx"], versions=(ids._version, result._version)))
-            return self.r_of(ids)
+        for layer_rule in self.rules:  # operations that use a layer's parameters: the registry's rules (_layers)
+            if func in layer_rule.ops:
+                out_r = layer_rule.record(self, func, args, kwargs, result, r, params, transposed)
+                if out_r is not NotImplemented:
+                    return out_r
         if params or transposed:
             self.fail(f"{func} uses parameter {(params + transposed)[0]} in a way the fast path does not know")
         if r is None:  # derived from constants only
@@ -284,16 +243,26 @@ def _losses_of_each(loss_fn, predictions: torch.Tensor, batch: _Batch) -> torch.
     return losses
 
 
-def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], kinds: tuple[str, ...] = ()) -> str | None:
-    """Reasons, known before running anything, why the fast path cannot apply (None if it may).
-    kinds: the extra layer kinds the caller handles ("layer_norm", "embedding"); Chapters 3 and 4 handle none."""
-    owners = {id(p): (module, name) for module in model.modules() for name, p in module._parameters.items() if p is not None}
-    covered = (nn.Linear, nn.Conv1d, nn.Conv2d) + tuple({"layer_norm": nn.LayerNorm, "embedding": nn.Embedding}[k] for k in kinds)
-    for full_name, p in trainable.items():
+def _owner_rules(model: nn.Module, trainable: dict[str, nn.Parameter], need: str) -> dict[str, _LayerRule | None]:
+    """{name: the rule of the module that owns the parameter, as its weight or bias} (None where no rule that
+    provides `need` covers that module), for every trainable parameter."""
+    rules = _rules_for(need)
+    owners = {id(p): (module, short) for module in model.modules() for short, p in module._parameters.items() if p is not None}
+    found = {}
+    for name, p in trainable.items():
         module, short = owners[id(p)]
-        if not isinstance(module, covered) or short not in ("weight", "bias"):
-            return f"parameter {full_name} belongs to {type(module).__name__}, not to a " + (
-                "linear or convolution layer" if not kinds else "layer the fast path covers")
+        found[name] = _rule_of(module, rules) if short in ("weight", "bias") else None
+    return found
+
+
+def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need: str = "grads") -> str | None:
+    """Reasons, known before running anything, why the fast path cannot apply (None if it may).
+    need: what the caller asks of the layer rules ("grads", "jacobian" or "norms")."""
+    owners = {id(p): module for module in model.modules() for p in module._parameters.values() if p is not None}
+    for name, rule in _owner_rules(model, trainable, need).items():
+        if rule is None:
+            kinds = ", ".join(r.kind for r in _rules_for(need))
+            return f"parameter {name} belongs to {type(owners[id(trainable[name])]).__name__}, not to a layer the fast path covers ({kinds})"
     for name, module in model.named_modules():
         if module._backward_hooks or module._backward_pre_hooks:
             return f"{name or 'the model'} has a backward hook"
@@ -302,10 +271,13 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], kind
     return None
 
 
-def _traced_forward(model, batch, trainable, kinds=()):
-    """Runs the model on a _Batch under the trace. Returns (output, layers, None) or (None, None, reason).
-    kinds: extra layer kinds to record ("layer_norm", "embedding"); Chapters 3 and 4 ask for none."""
-    tracer = _BatchTrace(len(batch), batch.tensors(), trainable, kinds)
+def _traced_forward(model, batch, trainable, need="grads", owners=None):
+    """Runs the model (or a function calling it) on a _Batch under the trace. Returns (output, layers, None)
+    or (None, None, reason). need: what the caller asks of the layer rules ("grads", "jacobian", "norms");
+    owners: from _owner_rules on the model."""
+    if owners is None and isinstance(model, nn.Module):
+        owners = _owner_rules(model, trainable, need)
+    tracer = _BatchTrace(len(batch), batch.tensors(), trainable, need, owners)
     try:
         with tracer:
             output = batch.call(model)
@@ -317,25 +289,9 @@ def _traced_forward(model, batch, trainable, kinds=()):
         return None, None, "the model's output is not one tensor with the examples along dimension 0"
     unused = [name for name in trainable if name not in tracer.used]
     if unused:
-        return None, None, f"parameter {unused[0]} is not used as the weight or bias of a {' or '.join(['linear', 'convolution', *sorted(kinds)])} operation"
+        kinds = " or ".join(rule.kind for rule in tracer.rules)
+        return None, None, f"parameter {unused[0]} is not used as the weight or bias of a {kinds} operation"
     for layer in tracer.layers:
         if (layer["a"]._version, layer["z"]._version) != layer["versions"]:
             return None, None, f"an in-place operation changed the input or output of the layer of {layer['weight'] or layer['bias']}"
     return output, tracer.layers, None
-
-
-def _im2col(layer, a, delta):
-    """The patches each output position of a convolution saw, (B, C*kh*kw, L), and delta as (..., B, O, L)."""
-    if a.dim() == 3:  # a 1-D convolution is a 2-D one of height 1
-        a, delta = a[:, :, None, :], delta.unsqueeze(-2)
-        kernel, stride, padding, dilation = [(1, *v) for v in (layer["weight_shape"][2:], layer["stride"], layer["padding"], layer["dilation"])]
-        padding = (0, padding[1])
-    else:
-        kernel, stride, padding, dilation = layer["weight_shape"][2:], layer["stride"], layer["padding"], layer["dilation"]
-    batch, rows, cols = a.shape[0], delta.shape[-2], delta.shape[-1]
-    if any(padding):
-        a = F.pad(a, (padding[1], padding[1], padding[0], padding[0]))
-    sb, sc, sh, sw = a.stride()
-    patches = a.as_strided((batch, a.shape[1], *kernel, rows, cols),
-                           (sb, sc, sh * dilation[0], sw * dilation[1], sh * stride[0], sw * stride[1]))
-    return patches.reshape(batch, -1, rows * cols), delta.flatten(-2)  # im2col: one copy

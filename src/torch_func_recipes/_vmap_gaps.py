@@ -92,7 +92,8 @@ def _unrolled_forward(module, input, hx=None):
     per_group = len(names) // (module.num_layers * directions)
     cell = _CELLS[module.mode]
     layer_input = input.transpose(0, 1) if module.batch_first else input  # (time, batch, features)
-    final_h, final_c = [], []
+    final_h: list = []
+    final_c: list = []
     for layer in range(module.num_layers):
         outputs = []
         for direction in range(directions):
@@ -102,7 +103,7 @@ def _unrolled_forward(module, input, hx=None):
             h, c = h0[index], None if c0 is None else c0[index]
             steps = F.linear(layer_input, w["weight_ih"], w.get("bias_ih")).unbind(0)  # all input products at once
             order = range(len(steps)) if direction == 0 else range(len(steps) - 1, -1, -1)
-            hs = [None] * len(steps)
+            hs: list = [None] * len(steps)
             for t in order:
                 h, c = cell(steps[t], h, c, w)
                 hs[t] = h
@@ -202,7 +203,8 @@ def _with_fallbacks(model, path, run_vmap, run_loop, reason):
     except _CannotUnroll as refusal:
         if path == "unroll":
             raise ValueError(f"the unroll does not apply: {refusal}") from None
-        vmap_error, reason = refusal, f"the unroll cannot run this model: {refusal}"
+        vmap_error: Exception = refusal
+        reason = f"the unroll cannot run this model: {refusal}"
     except Exception as error:
         if path == "unroll":
             raise

@@ -6,7 +6,8 @@ Gauss-Newton step solved in output space, conjugate gradients and influence scor
 """
 
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -91,7 +92,7 @@ def _hvp_operator(model, loss_fn, inputs, targets, params):
 
 
 @_gradients_enabled
-def param_hvp(model, loss_fn, inputs, targets, vector):
+def param_hvp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """H v, for the Hessian H of loss_fn(model(inputs), targets) with respect to the model's parameters that
     require grad. vector and the result are dicts name -> tensor shaped like the parameter.
     Reverse-over-reverse: the gradient g with its graph, then one backward pass of <g, v>. No P x P matrix."""
@@ -101,7 +102,7 @@ def param_hvp(model, loss_fn, inputs, targets, vector):
 
 
 @_gradients_enabled
-def ggn_vp(model, loss_fn, inputs, targets, vector):
+def ggn_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """G v for the generalised Gauss-Newton matrix G = J^T H_L J of loss_fn(model(inputs), targets), where J is
     the Jacobian of the model's outputs with respect to its trainable parameters and H_L the Hessian of
     loss_fn in the outputs: J v (by the double-backward trick), H_L J v in output space, then J^T (...), all
@@ -113,7 +114,7 @@ def ggn_vp(model, loss_fn, inputs, targets, vector):
         outputs = functional_call(model, leaves, (inputs,))
         u = torch.zeros_like(outputs, requires_grad=True)
         jt_u = torch.autograd.grad(outputs, list(leaves.values()), u, create_graph=True, materialize_grads=True)
-        jv = torch.autograd.grad(sum((a * vector[name]).sum() for name, a in zip(leaves, jt_u)), u,
+        jv = torch.autograd.grad(torch.stack([(a * vector[name]).sum() for name, a in zip(leaves, jt_u)]).sum(), u,
                                  materialize_grads=True)[0]  # J v
         o = outputs.detach().requires_grad_(True)
         loss_gradient = torch.autograd.grad(_scalar(loss_fn(o, targets)), o, create_graph=True)[0]
@@ -141,7 +142,8 @@ def _per_example(model, loss_fn, inputs, targets, params):
 
 
 @_gradients_enabled
-def empirical_fisher_vp(model, loss_fn, inputs, targets, vector):
+def empirical_fisher_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any,
+                        vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """F v for the empirical Fisher F = w * sum_n g_n g_n^T, where g_n is the gradient of example n's loss and
     w = 1/B for a mean loss (1 for a sum): per-example gradients by vmap of grad, then two contractions."""
     params = _trainable(model, inputs, targets)
@@ -204,7 +206,7 @@ def _output_hessian_factors(loss_fn, outputs, targets):
 
 
 @_gradients_enabled
-def ggn_diagonal(model, loss_fn, inputs, targets, *, per_sample=False):
+def ggn_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, per_sample: bool = False) -> dict[str, torch.Tensor]:
     """The exact diagonal of the Gauss-Newton matrix, {name: tensor shaped like the parameter}; with
     per_sample=True each example's share of it, {name: (B, *shape)}, which sum over B to the diagonal.
     For a mean or sum w * sum_n of per-example losses, with H_n = sum_k lam_k u_k u_k^T the Hessian of example n's
@@ -219,7 +221,7 @@ def ggn_diagonal(model, loss_fn, inputs, targets, *, per_sample=False):
             if f"{module_name}.{local}".lstrip(".") in params:
                 owners[f"{module_name}.{local}".lstrip(".")] = (module, local)
     modules = list({id(m): m for m, _ in owners.values()}.values())
-    calls = {id(m): [] for m in modules}
+    calls: dict[int, list] = {id(m): [] for m in modules}
     hooks = [m.register_forward_hook(lambda m, args, out: calls[id(m)].append((args, out))) for m in modules]
     leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
     try:
@@ -308,7 +310,8 @@ def _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size)
 
 
 @_gradients_enabled
-def hessian_trace(model, loss_fn, inputs, targets, *, samples, generator=None, chunk_size=None):
+def hessian_trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, samples: int, generator: torch.Generator | None = None,
+                  chunk_size: int | None = None) -> float:
     """Hutchinson's estimate of the trace of the parameter Hessian of loss_fn(model(inputs), targets): the mean
     of v^T H v over `samples` Rademacher vectors v (entries +-1, drawn from `generator` on the CPU). Unbiased,
     with a variance that falls as 1/samples. Probes run through vmap, chunk_size at a time if given. A float."""
@@ -317,7 +320,8 @@ def hessian_trace(model, loss_fn, inputs, targets, *, samples, generator=None, c
 
 
 @_gradients_enabled
-def hessian_diagonal(model, loss_fn, inputs, targets, *, samples, generator=None, chunk_size=None):
+def hessian_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, samples: int,
+                     generator: torch.Generator | None = None, chunk_size: int | None = None) -> dict[str, torch.Tensor]:
     """Hutchinson's estimate of the diagonal of the parameter Hessian, {name: tensor shaped like the parameter}:
     the mean of v * (H v) over `samples` Rademacher vectors v. Unbiased; variance falls as 1/samples."""
     probes, products = _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size)
@@ -325,7 +329,8 @@ def hessian_diagonal(model, loss_fn, inputs, targets, *, samples, generator=None
 
 
 @_gradients_enabled
-def top_hessian_eigenvalues(model, loss_fn, inputs, targets, k=1, *, iterations=None, generator=None):
+def top_hessian_eigenvalues(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, k: int = 1, *, iterations: int | None = None,
+                            generator: torch.Generator | None = None) -> torch.Tensor:
     """The k algebraically largest eigenvalues of the parameter Hessian of loss_fn(model(inputs), targets),
     largest first, as a 1-d tensor. Lanczos with full reorthogonalisation on Hessian-vector products:
     `iterations` products (default min(P, max(2k + 20, 40))), then the eigenvalues of the small tridiagonal
@@ -368,7 +373,7 @@ def top_hessian_eigenvalues(model, loss_fn, inputs, targets, k=1, *, iterations=
 
 
 @_gradients_enabled
-def gauss_newton_step(model, loss_fn, inputs, targets, *, damping):
+def gauss_newton_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, damping: float) -> dict[str, torch.Tensor]:
     """The damped Gauss-Newton step -(G + damping I)^{-1} g for loss_fn(model(inputs), targets), as a dict
     {name: tensor shaped like the parameter}, solved in output space: -J^T (damping I + H_L J J^T)^{-1} r, with J
     the (B*Y, P) output Jacobian (vmap over examples of jacrev), H_L the loss's Hessian in the outputs and
@@ -389,7 +394,8 @@ def gauss_newton_step(model, loss_fn, inputs, targets, *, damping):
     return {name: piece.view(p.shape) for (name, p), piece in zip(params.items(), step.split(sizes))}
 
 
-def conjugate_gradient(matvec, b, *, tol=1e-10, max_iterations=None):
+def conjugate_gradient(matvec: Callable[[torch.Tensor], torch.Tensor], b: torch.Tensor, *, tol: float = 1e-10,
+                       max_iterations: int | None = None) -> torch.Tensor:
     """Solve A x = b for a symmetric positive definite A given as matvec on flat vectors, to a relative residual
     |b - A x| <= tol |b|. Raises if A shows a direction of non-positive curvature."""
     x, r, p = torch.zeros_like(b), b.clone(), b.clone()
@@ -410,8 +416,8 @@ def conjugate_gradient(matvec, b, *, tol=1e-10, max_iterations=None):
 
 
 @_gradients_enabled
-def influence_scores(model, loss_fn, train_inputs, train_targets, test_inputs, test_targets, *, damping,
-                     tol=1e-10, max_iterations=None):
+def influence_scores(model: nn.Module, loss_fn: Callable[..., torch.Tensor], train_inputs: Any, train_targets: Any, test_inputs: Any, test_targets: Any, *,
+                     damping: float, tol: float = 1e-10, max_iterations: int | None = None) -> torch.Tensor:
     """For each training example i, the first-order change of the test loss loss_fn(model(test_inputs), test_targets)
     when example i's term is removed from the training loss: w * g_test^T (H + damping I)^{-1} g_i, with H the
     Hessian of the training loss, g_i the gradient of example i's own loss, w = 1/N for a mean (1 for a sum).

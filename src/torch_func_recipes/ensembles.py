@@ -1,13 +1,14 @@
 """Chapter 5: stack_models, M models of one architecture run as one vmapped function."""
 
 import copy
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
 from torch.func import functional_call, stack_module_state, vmap
 
 
-def stack_models(models):
+def stack_models(models: Iterable[nn.Module]) -> tuple[Callable[..., torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Stack M models of one architecture: returns (forward, params, buffers), where params and
     buffers hold every tensor with a leading dimension M, and forward(params, buffers, x) runs all M
     models on one input tensor x; with per_model_batches=True, x must be (M, B, ...) and model i sees

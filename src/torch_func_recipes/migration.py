@@ -1,10 +1,12 @@
 """Chapter 12: named_like_parameters, from functorch's tuple of tensors to the dict torch.func uses."""
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 
 
-def named_like_parameters(model, tensors):
+def named_like_parameters(model: nn.Module, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Name a functorch-style tuple of tensors, ordered like model.parameters(), with the names of
     model.named_parameters(): the dict functional_call and torch.func.grad use. Raises if the count or
     any shape differs, since a shifted tuple would otherwise be matched to the wrong parameters."""

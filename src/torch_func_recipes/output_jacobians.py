@@ -1,30 +1,45 @@
 """Chapter 4: output_jacobian (B, Y, P), split_by_parameter and the empirical NTK."""
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+import torch.nn as nn
 from torch.func import jacrev, vmap
 
-from ._batch import _as_batch, _check_chunk_size, _check_model
-from ._trace import PathReport, _check_path, _fast_path_screen, _im2col, _traced_forward
+from ._batch import _as_batch, _check_chunk_size, _check_model, _Inputs, _Unbatched
+from ._layers import _rule_named
+from ._trace import PathReport, _check_path, _fast_path_screen, _owner_rules, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
-def output_jacobian(model, inputs, *, select=None, unbatched=(), chunk_size=None, out=None, path="auto", report=False):
-    """d outputs / d parameters for every example: a tensor (B, Y, P) for a model whose output is
-    (B, Y), with the P columns in named_parameters() order (parameters that require grad).
+def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: Callable[[Any], torch.Tensor] | None = None,
+                    unbatched: _Unbatched = (), chunk_size: int | None = None, out: torch.Tensor | None = None,
+                    path: str = "auto", report: bool = False, **keyword_inputs: Any) -> torch.Tensor | tuple[torch.Tensor, PathReport]:
+    r"""d outputs / d parameters for every example: a (B, Y, P) tensor for a model whose output is (B, Y),
+    the P columns in ``named_parameters()`` order (parameters that require grad).
 
-    inputs and unbatched as in per_sample_grads: a tensor, a tuple of positional arguments or a dict of
-    keyword arguments, examples along dimension 0. select: a function of the model's output that returns
-    the (B, Y) tensor to differentiate (for example lambda out: out.logits[:, -1]); None takes the output
-    as it is. chunk_size: process this many examples at a time. out: an optional (B, Y, P) tensor to write
-    into (and return). path and report as for per_sample_grads: the fast path (one forward pass, Y backward
-    passes to the layer outputs batched into one, per-example products written into the result)
-    runs where a trace of this call establishes that it applies; the vmap path is
-    vmap(jacrev(...)) over the examples, with any nn.RNN/GRU/LSTM computed step by step (the unroll);
-    where that raised (or path="loop"), the loop runs Y backward passes per example. An empty batch
-    gives a (0, Y, P) tensor, Y read from the model's output on it.
+    Args:
+        model (nn.Module): the model; never modified.
+        inputs (Tensor, tuple or dict): as in :func:`per_sample_grads`, examples along dimension 0.
+        select (Callable, optional): a function of the model's output returning the (B, Y) tensor to
+            differentiate (for example ``lambda out: out.logits[:, -1]``); None takes the output as it is.
+        unbatched (int, str or a tuple of them): inputs every example receives whole.
+        chunk_size (int, optional): process this many examples at a time.
+        out (Tensor, optional): a (B, Y, P) tensor to write the result into (and return).
+        path (str): ``"auto"``, ``"fast"``, ``"vmap"``, ``"unroll"`` or ``"loop"``, as in
+            :func:`per_sample_grads`. The fast path is one forward pass and Y backward passes to the layer
+            outputs, batched into one, then per-example products; the vmap path is ``vmap(jacrev(...))``;
+            the loop runs Y backward passes per example.
+        report (bool): also return a :class:`PathReport`.
+        **keyword_inputs: the model's keyword arguments, in place of ``inputs`` (``**batch``).
+
+    Returns:
+        The (B, Y, P) tensor (B x Y x P numbers), with ``report=True`` a pair ``(jacobian, PathReport)``. An
+        empty batch gives a (0, Y, P) tensor, Y read from the model's output on it.
     """
     trainable = _check_model(model)
-    batch = _as_batch(inputs, None, unbatched)
+    batch = _as_batch(inputs, None, unbatched, keyword_inputs)
     if select is not None and not callable(select):
         raise TypeError(f"select must be a function of the model's output, got {type(select).__name__}")
     _check_chunk_size(chunk_size)
@@ -46,14 +61,16 @@ def output_jacobian(model, inputs, *, select=None, unbatched=(), chunk_size=None
             result = _result_buffer(out, 0, output.shape[1], total, output)
             return (result, PathReport("none", "the batch is empty")) if report else result
         step = chunk_size or size
-        reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable)
+        reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable, "jacobian")
         if reason is None:
             start = 0
             while start < size and reason is None:
                 rows = slice(start, start + step)
-                out, reason = _fast_jacobian_chunk(forward, trainable, batch.rows(rows), out, rows, size, total)
+                out, reason = _fast_jacobian_chunk(forward, trainable, batch.rows(rows), out, rows, size, total,
+                                                   _owner_rules(model, trainable, "jacobian"))
                 start += step
             if reason is None:
+                assert out is not None  # written by the first chunk
                 report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
                                      "and every trainable parameter is the weight or bias of one linear or convolution operation")
                 return (out, report_) if report else out
@@ -92,8 +109,8 @@ def _result_buffer(out, batch, n_out, total, like):
     return out
 
 
-def _fast_jacobian_chunk(forward, trainable, part, out, rows, batch, total):
-    output, layers, reason = _traced_forward(forward, part, trainable)
+def _fast_jacobian_chunk(forward, trainable, part, out, rows, batch, total, owners):
+    output, layers, reason = _traced_forward(forward, part, trainable, "jacobian", owners)
     if reason is not None:
         return out, reason
     _output_rows(output, len(part))
@@ -115,26 +132,9 @@ def _fast_jacobian_chunk(forward, trainable, part, out, rows, batch, total):
 
 
 def _jacobian_products(layer, delta, columns):
-    """One layer's rows of the output Jacobian: delta is (Y, B*r, ...), columns[name] is (B, Y, *shape)."""
-    a, r, weight, bias = layer["a"].detach(), layer["r"], layer["weight"], layer["bias"]
-    n_out = delta.shape[0]
-    if layer["kind"] == "linear":
-        batch = a.shape[0] // r
-        per_example = delta.view(n_out, batch, r, -1).permute(1, 0, 2, 3)  # (B, Y, r, out)
-        if weight is not None:
-            if r == 1:
-                torch.mul(per_example[:, :, 0, :, None], a[:, None, None, :], out=columns[weight])
-            else:
-                columns[weight].copy_(torch.matmul(per_example.transpose(2, 3), a.view(batch, 1, r, -1)))
-        if bias is not None:
-            columns[bias].copy_(per_example.sum(dim=2))
-        return
-    patches, flat_delta = _im2col(layer, a, delta)  # flat_delta: (Y, B, O, L)
-    if bias is not None:
-        columns[bias].copy_(flat_delta.sum(dim=3).transpose(0, 1))
-    if weight is not None:
-        products = torch.matmul(flat_delta.transpose(0, 1), patches[:, None].transpose(2, 3))  # (B, Y, O, C*kh*kw)
-        columns[weight].copy_(products.view(columns[weight].shape))
+    """One traced layer's rows of the output Jacobian, by its kind's rule (_layers): delta is (Y, B*r, ...),
+    columns[name] is (B, Y, *shape)."""
+    _rule_named(layer["kind"]).jacobian_rows(layer, delta, columns)
 
 
 def _vmap_jacrev(model, select, trainable, batch, chunk_size, out, total):
@@ -153,7 +153,7 @@ def _vmap_jacrev(model, select, trainable, batch, chunk_size, out, total):
     return out
 
 
-def split_by_parameter(jacobian, model):
+def split_by_parameter(jacobian: torch.Tensor, model: nn.Module) -> dict[str, torch.Tensor]:
     """Views of a (B, Y, P) output Jacobian, {name: (B, Y, *param.shape)}, in named_parameters() order."""
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     total = sum(p.numel() for _, p in params)
@@ -166,7 +166,7 @@ def split_by_parameter(jacobian, model):
     return views
 
 
-def empirical_ntk(model, x1, x2):
+def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """The empirical NTK, a tensor (N1, N2, Y, Y): entry [a, b, i, j] is the dot product, over all
     parameters, of d output_i(x1[a]) / d params and d output_j(x2[b]) / d params."""
     for name, x in (("x1", x1), ("x2", x2)):

@@ -5,7 +5,7 @@ or the loop) and clip_and_noise. Chapter 11: per_sample_grad_norms (the norms wi
 gradients) and clipped_noisy_gradient (the DP-SGD step from those norms).
 """
 
-import math
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -13,58 +13,53 @@ import torch.nn.functional as F
 from torch.func import grad, vmap
 from torch.overrides import TorchFunctionMode
 
-from ._batch import _as_batch, _check_chunk_size, _check_model, _scalar_loss
-from ._trace import PathReport, _check_path, _fast_path_screen, _im2col, _losses_of_each, _traced_forward
+from ._batch import _as_batch, _check_chunk_size, _check_model, _Grads, _Inputs, _LossFn, _scalar_loss, _Unbatched
+from ._layers import _rule_named
+from ._trace import PathReport, _check_path, _fast_path_screen, _losses_of_each, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
 def _per_example_products(layer, delta, out):
-    """Writes one layer's per-example weight and bias gradients (or Jacobian rows) into out[name]."""
-    a, r, weight, bias = layer["a"].detach(), layer["r"], layer["weight"], layer["bias"]
-    delta = delta.detach()
-    if layer["kind"] == "linear":
-        batch = a.shape[0] // r
-        if weight is not None:
-            if r == 1:
-                torch.mul(delta[:, :, None], a[:, None, :], out=out[weight])
-            else:
-                torch.bmm(delta.view(batch, r, -1).transpose(1, 2), a.view(batch, r, -1), out=out[weight])
-        if bias is not None:
-            if r == 1:
-                out[bias].copy_(delta)
-            else:
-                torch.sum(delta.view(batch, r, -1), dim=1, out=out[bias])
-        return
-    patches, flat_delta = _im2col(layer, a, delta)
-    if bias is not None:
-        torch.sum(flat_delta, dim=2, out=out[bias])
-    if weight is not None:
-        torch.bmm(flat_delta, patches.transpose(1, 2), out=out[weight].view(len(a), flat_delta.shape[1], -1))
+    """Writes one traced layer's per-example weight and bias gradients into out[name], by its kind's rule (_layers)."""
+    _rule_named(layer["kind"]).per_example_grads(layer, delta.detach(), out)
 
 
-def per_sample_grads(model, loss_fn, inputs, targets=None, *, unbatched=(), chunk_size=None, out=None, path="auto",
-                     report=False):
-    """The gradient of each example's own loss: {name: tensor (B, *param.shape)} for every parameter
-    that requires grad.
+def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None = None, targets: Any = None, *, unbatched: _Unbatched = (),
+                     chunk_size: int | None = None, out: _Grads | None = None, path: str = "auto",
+                     report: bool = False, **keyword_inputs: Any) -> _Grads | tuple[_Grads, PathReport]:
+    r"""The gradient of each example's own loss, for every parameter that requires grad.
 
-    inputs: what the model is called with, a tensor, a tuple of positional arguments or a dict of keyword
-        arguments (a Hugging Face batch); targets: what loss_fn takes besides the output (a tensor, tuple or
-        dict), or None. Every tensor in them holds the examples along dimension 0, except the inputs named
-        in unbatched (positions or keys), which each example receives whole. loss_fn(output, targets), or
-        loss_fn(output) without targets, receives the model's output and targets for a batch of one and
-        returns that example's loss, a 0-d tensor.
-    chunk_size: process this many examples at a time (bounds the memory of intermediates).
-    out: optional {name: (B, *param.shape)} tensors to write into (and return); without it the result
-        is freshly allocated.
-    path: "auto" (the fast path where a trace of this call establishes that it applies, else
-        vmap(grad(...)), with any nn.RNN/GRU/LSTM computed step by step (the unroll), else, where
-        that raised, the loop), "fast" (raise if it does not apply), "vmap" (plain vmap(grad(...)),
-        its errors raised), "unroll" (vmap with the unroll; raise if it does not apply) or "loop" (one
-        autograd call per example: slow, but runs any model autograd can differentiate).
-    report: also return a PathReport(path, reason) saying which path ran and why.
+    Args:
+        model (nn.Module): the model; it is never modified (parameters, buffers, methods, hooks).
+        loss_fn (Callable): ``loss_fn(output, targets)``, or ``loss_fn(output)`` when ``targets`` is None:
+            receives the model's output (whatever it returns) and the targets of one example as a batch of
+            one, and returns that example's loss as a 0-d tensor.
+        inputs (Tensor, tuple or dict): what the model is called with: ``model(inputs)``,
+            ``model(*inputs)`` or ``model(**inputs)`` (a Hugging Face batch). Every tensor in it holds the
+            examples along dimension 0, except those named in ``unbatched``.
+        targets (Tensor, tuple, dict or None): what ``loss_fn`` takes besides the output, examples along
+            dimension 0.
+        unbatched (int, str or a tuple of them): positions or keys of ``inputs`` that every example
+            receives whole (a shared mask, say).
+        chunk_size (int, optional): process this many examples at a time, to bound the memory of
+            intermediates.
+        out (dict, optional): ``{name: (B, *param.shape)}`` tensors to write the result into (and return).
+        path (str): ``"auto"`` (the fast path where a trace of this call establishes that it applies, else
+            ``vmap(grad(...))`` with any ``nn.RNN``/``GRU``/``LSTM`` computed step by step, else, where
+            that raised, the loop), or a path taken as asked: ``"fast"``, ``"vmap"``, ``"unroll"`` (each
+            raises where it does not apply) or ``"loop"`` (one autograd call per example).
+        report (bool): also return a :class:`PathReport` saying which path ran and why.
+        **keyword_inputs: the model's keyword arguments, in place of ``inputs`` (``targets=labels, **batch``).
+
+    Returns:
+        ``{name: Tensor (B, *param.shape)}``, with ``report=True`` a pair ``(grads, PathReport)``. Memory:
+        the result (B x P numbers), plus one chunk's intermediates.
+
+    Raises:
+        ValueError, TypeError: for the cases in ``_batch``'s table (an empty batch gives empty results).
     """
     trainable = _check_model(model)
-    batch = _as_batch(inputs, targets, unbatched)
+    batch = _as_batch(inputs, targets, unbatched, keyword_inputs)
     _check_chunk_size(chunk_size)
     _check_path(path)
     size = len(batch)
@@ -96,9 +91,11 @@ def per_sample_grads(model, loss_fn, inputs, targets=None, *, unbatched=(), chun
 
         def run_vmap(module):  # the model, or the unroll's stand-in for it
             grads = _vmap_grad(module, trainable, loss_fn, batch, chunk_size)
-            for name, g in grads.items() if out is not None else ():
+            if out is None:
+                return grads
+            for name, g in grads.items():
                 out[name].copy_(g)
-            return grads if out is None else out
+            return out
 
         run_loop = lambda: _loop_grads(model, trainable, loss_fn, batch, out)
         grads, report_ = _with_fallbacks(model, path, run_vmap, run_loop, reason)  # vmap, the unroll, or the loop
@@ -135,7 +132,8 @@ def _vmap_grad(model, trainable, loss_fn, batch, chunk_size):
     return vmap(grad(loss_of_one), in_dims=(None, *in_dims), randomness="different", chunk_size=chunk_size)(detached, *values)
 
 
-def clip_and_noise(per_sample, max_norm, noise_multiplier, generator=None, *, expected_batch_size=None):
+def clip_and_noise(per_sample: _Grads, max_norm: float, noise_multiplier: float, generator: torch.Generator | None = None, *,
+                   expected_batch_size: int | float | None = None) -> _Grads:
     """The DP-SGD gradient from per-sample gradients {name: (B, *shape)}: clip each example's whole
     gradient to norm max_norm, sum, add N(0, (noise_multiplier * max_norm)^2) noise to every entry,
     and divide by expected_batch_size (with Poisson sampling, the expected batch size; B if None).
@@ -169,11 +167,22 @@ def clip_and_noise(per_sample, max_norm, noise_multiplier, generator=None, *, ex
     return private
 
 
-def noised_mean(clipped_sum, *, max_norm, noise_multiplier, expected_batch_size, generator=None):
-    """The last step of DP-SGD: (clipped_sum + N(0, (noise_multiplier * max_norm)^2)) / expected_batch_size
-    for every entry of clipped_sum {name: tensor}, the sum of the clipped per-example gradients of one
-    logical batch (from clipped_grad_sum, summed over its micro-batches). The noise is drawn on the CPU
-    from `generator`, parameter by parameter in the dict's order, and moved to each tensor's device."""
+def noised_mean(clipped_sum: _Grads, *, max_norm: float, noise_multiplier: float, expected_batch_size: int | float,
+                generator: torch.Generator | None = None) -> _Grads:
+    r"""The last step of DP-SGD: ``(clipped_sum + N(0, (noise_multiplier * max_norm)^2)) / expected_batch_size``.
+
+    Args:
+        clipped_sum (dict): ``{name: tensor}``, the sum of the clipped per-example gradients of one logical
+            batch (from :func:`clipped_grad_sum`, summed over its micro-batches).
+        max_norm (float): the clipping norm C; the noise's standard deviation is ``noise_multiplier * C``.
+        noise_multiplier (float): sigma, non-negative.
+        expected_batch_size (int or float): the divisor (with Poisson sampling, the expected batch size).
+        generator (torch.Generator, optional): the CPU generator the noise is drawn from, parameter by
+            parameter in the dict's order, then moved to each tensor's device.
+
+    Returns:
+        ``{name: tensor}`` shaped like ``clipped_sum``.
+    """
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
     if not noise_multiplier >= 0:
@@ -193,7 +202,7 @@ class _ParameterUses(TorchFunctionMode):
     def __init__(self, trainable):
         super().__init__()
         self.names = {id(p): n for n, p in trainable.items()}
-        self.uses = {n: [] for n in trainable}
+        self.uses: dict[str, list] = {n: [] for n in trainable}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -206,7 +215,8 @@ class _ParameterUses(TorchFunctionMode):
 def _covered_linear_layers(model, batch, trainable):
     """{name: (module, {param name: param}, output shape of one example)} for the nn.Linear layers whose
     trainable parameters are used exactly once, by the layer's own F.linear call."""
-    calls, handles = {}, []
+    calls: dict[str, list] = {}
+    handles = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and not (module._forward_hooks or module._forward_pre_hooks):
             handles.append(module.register_forward_hook(lambda m, a, z, name=name: calls.setdefault(name, []).append(z.shape)))
@@ -226,17 +236,25 @@ def _covered_linear_layers(model, batch, trainable):
     return layers
 
 
-def per_sample_grad_norms(model, loss_fn, inputs, targets=None, *, unbatched=(), chunk_size=None, path="auto", report=False):
-    """The norm of each example's whole gradient (every parameter that requires grad), a (B,) tensor,
-    without holding the (B, P) per-example gradients. inputs, targets, unbatched and loss_fn as in
-    per_sample_grads (loss_fn receives a batch of one and returns that example's loss). chunk_size bounds
-    how many examples are processed at once. path: "auto" (the fast path, one batched forward and backward
-    pass, where a trace of this call shows it exact; else vmap, with any nn.RNN/GRU/LSTM unrolled; where that
-    raised, the loop), or one path taken as asked, as in per_sample_grads: "fast", "vmap", "unroll" (each
-    raises where it does not apply) or "loop". report=True also returns a PathReport saying which path ran,
-    why, and how each parameter's share was found (its ghost, direct and streamed lists)."""
+def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None = None, targets: Any = None, *,
+                          unbatched: _Unbatched = (), chunk_size: int | None = None, path: str = "auto",
+                          report: bool = False, **keyword_inputs: Any) -> torch.Tensor | tuple[torch.Tensor, PathReport]:
+    r"""The norm of each example's whole gradient (every parameter that requires grad), without holding
+    the (B, P) per-example gradients.
+
+    Args:
+        model, loss_fn, inputs, targets, unbatched, chunk_size, keyword_inputs: as in :func:`per_sample_grads`.
+        path (str): ``"auto"`` (the fast path, one batched forward and backward pass, where a trace of
+            this call shows it exact; else ``vmap``, with any recurrent layer unrolled; where that raised,
+            the loop), or ``"fast"``, ``"vmap"``, ``"unroll"`` or ``"loop"``, taken as asked.
+        report (bool): also return a :class:`PathReport` with how each parameter's share of the norm was
+            found (its ``ghost``, ``direct`` and ``streamed`` lists).
+
+    Returns:
+        A (B,) tensor, with ``report=True`` a pair ``(norms, PathReport)``.
+    """
     trainable = _check_model(model)
-    batch = _as_batch(inputs, targets, unbatched)
+    batch = _as_batch(inputs, targets, unbatched, keyword_inputs)
     _check_chunk_size(chunk_size)
     _check_path(path)
     with torch.inference_mode(False), torch.enable_grad():
@@ -244,7 +262,7 @@ def per_sample_grad_norms(model, loss_fn, inputs, targets=None, *, unbatched=(),
         if len(batch) == 0:
             norms = next(iter(trainable.values())).new_zeros(0)
             return (norms, PathReport("none", "the batch is empty", [], [], [])) if report else norms
-        reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable, ("layer_norm", "embedding"))
+        reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable, "norms")
         if reason is None:
             found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size)
             if found is not None:
@@ -268,47 +286,9 @@ def per_sample_grad_norms(model, loss_fn, inputs, targets=None, *, unbatched=(),
 
 def _layer_squares(layer, g, batch):
     """[(parameter name, (batch,) squared norms of its per-example gradients, "ghost" or "direct")] for one
-    traced layer, from its input a and the gradient g of the summed loss with respect to its output."""
-    a, g, found = layer["a"].detach(), g.detach(), []
-    add = lambda name, squares, how: found.append((name, squares, how)) if name is not None else None
-    if layer["kind"] == "linear":
-        a, g = a.reshape(batch, -1, a.shape[-1]), g.reshape(batch, -1, g.shape[-1])  # (B, T, d_in), (B, T, d_out)
-        if a.shape[1] == 1:  # one row per example: the bias's share is ||g||^2, the weight's ||a||^2 ||g||^2
-            g_squared = g.square().sum((1, 2))
-            add(layer["bias"], g_squared, "direct")
-            add(layer["weight"], a.square().sum((1, 2)) * g_squared, "ghost")
-            return found
-        add(layer["bias"], g.sum(1).square().sum(1), "direct")
-        if a.shape[1] ** 2 <= a.shape[2] * g.shape[2]:  # token pairs cost less than the product
-            add(layer["weight"], ((a @ a.transpose(1, 2)) * (g @ g.transpose(1, 2))).sum((1, 2)), "ghost")
-        else:
-            add(layer["weight"], (g.transpose(1, 2) @ a).square().sum((1, 2)), "direct")
-    elif layer["kind"] == "conv":
-        patches, delta = _im2col(layer, a, g)  # (B, C*k, L) and (B, O, L): a linear layer with L positions as tokens
-        add(layer["bias"], delta.sum(2).square().sum(1), "direct")
-        positions, k, o = delta.shape[2], patches.shape[1], delta.shape[1]
-        if positions * positions * (k + o) <= positions * k * o:
-            pairs = (patches.transpose(1, 2) @ patches) * (delta.transpose(1, 2) @ delta)
-            add(layer["weight"], pairs.sum((1, 2)), "ghost")
-        else:
-            add(layer["weight"], (delta @ patches.transpose(1, 2)).square().sum((1, 2)), "direct")
-    elif layer["kind"] == "layer_norm":  # per example: sum over positions of g * x_hat (weight), of g (bias)
-        size = math.prod(layer["shape"])
-        x_hat = F.layer_norm(a, layer["shape"], eps=layer["eps"]).reshape(batch, -1, size)
-        g = g.reshape(batch, -1, size)
-        add(layer["weight"], (g * x_hat).sum(1).square().sum(1), "direct")
-        add(layer["bias"], g.sum(1).square().sum(1), "direct")
-    elif layer["kind"] == "embedding":  # rows of equal ids add up: pairs of positions with the same id
-        ids = a.reshape(batch, -1)
-        g = g.reshape(batch, ids.shape[1], -1)
-        same = ids[:, :, None] == ids[:, None, :]
-        if layer["padding_idx"] >= 0:  # PyTorch gives the padding row no gradient
-            real = ids != layer["padding_idx"]
-            same &= real[:, :, None] & real[:, None, :]
-        add(layer["weight"], (same.to(g.dtype) * (g @ g.transpose(1, 2))).sum((1, 2)), "ghost")
-    else:
-        raise AssertionError(f"unknown layer kind {layer['kind']}")
-    return found
+    traced layer, from its input and the gradient g of the summed loss with respect to its output, by its
+    kind's rule (_layers)."""
+    return _rule_named(layer["kind"]).squared_norms(layer, g.detach(), batch)
 
 
 def _lowest_layers(layers):
@@ -340,7 +320,7 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size):
     step = chunk_size or len(batch)
     for start in range(0, len(batch), step):
         part = batch.rows(slice(start, start + step))
-        output, layers, reason = _traced_forward(model, part, trainable, ("layer_norm", "embedding"))
+        output, layers, reason = _traced_forward(model, part, trainable, "norms")
         if reason is not None:
             return None, reason
         total = _losses_of_each(loss_fn, output, part).sum()
@@ -396,7 +376,7 @@ def _squared_norms_by_vmap(model, loss_fn, batch, layers, streamed, chunk_size):
         rows = slice(start, start + step)
         part = batch.rows(rows)
         n = len(part)
-        of_one, in_dims, values = part.per_example(lambda extra, one: loss_of_one(*extra, one))
+        of_one, in_dims, values = part.per_example(lambda extra, one: loss_of_one(extra[0], extra[1], one))
         per_example = vmap(grad(lambda rest, probes, *v: of_one((rest, probes), *v), argnums=(0, 1), has_aux=True),
                            in_dims=(None, 0, *in_dims), randomness="different")
         probes = [torch.zeros((n, *shape), dtype=dtype, device=device) for _, _, shape in layers.values()]
@@ -424,48 +404,75 @@ def _squared_norms_by_loop(model, loss_fn, batch, trainable):
         one = batch.example(n)
         loss = _scalar_loss(one.loss(loss_fn, one.call(model)))
         grads = torch.autograd.grad(loss, list(trainable.values()), allow_unused=True)
-        squares.append(sum(g.square().sum() for g in grads if g is not None))
+        squares.append(sum((g.square().sum() for g in grads if g is not None), loss.new_zeros(())))
     return torch.stack(squares)
 
 
-def clipped_noisy_gradient(model, loss_fn, inputs, targets=None, *, max_norm, noise_multiplier, generator=None,
-                           expected_batch_size=None, norms=None, unbatched=(), chunk_size=None, path="auto", report=False):
-    """One DP-SGD step's gradient in one call, {name: tensor of shape *param.shape}:
-    (sum_i min(1, max_norm / (n_i + 1e-6)) * g_i + N(0, (noise_multiplier * max_norm)^2)) / B,
-    the arithmetic of Chapter 3's clip_and_noise without any (B, *shape) tensor: the norms n_i from
-    per_sample_grad_norms (or `norms`, when already computed on the same model and batch), the clipped sum
-    from one backward pass of the reweighted loss (clipped_grad_sum), then the noise (noised_mean, drawn on
-    the CPU from `generator` and moved). B is expected_batch_size when given (Poisson sampling), else the
-    batch's size. To accumulate micro-batches, sum clipped_grad_sum over them and call noised_mean once.
-    inputs, targets, unbatched, loss_fn, chunk_size, path and report as in per_sample_grad_norms; the report
-    is the clipped sum's."""
-    batch = _as_batch(inputs, targets, unbatched)
+def clipped_noisy_gradient(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None = None, targets: Any = None, *, max_norm: float,
+                           noise_multiplier: float, generator: torch.Generator | None = None,
+                           expected_batch_size: int | float | None = None, norms: torch.Tensor | None = None,
+                           unbatched: _Unbatched = (), chunk_size: int | None = None, path: str = "auto",
+                           report: bool = False, **keyword_inputs: Any) -> _Grads | tuple[_Grads, PathReport]:
+    r"""One DP-SGD step's gradient in one call, without any (B, *shape) tensor:
+    ``(sum_i min(1, max_norm / (n_i + 1e-6)) * g_i + N(0, (noise_multiplier * max_norm)^2)) / B``,
+    the arithmetic of Chapter 3's :func:`clip_and_noise`.
+
+    The norms ``n_i`` come from :func:`per_sample_grad_norms` (or ``norms``), the clipped sum from one
+    backward pass of the reweighted loss (:func:`clipped_grad_sum`), then the noise (:func:`noised_mean`).
+    To accumulate micro-batches, add up :func:`clipped_grad_sum` over them and call :func:`noised_mean` once.
+
+    Args:
+        model, loss_fn, inputs, targets, unbatched, chunk_size, path, keyword_inputs: as in :func:`per_sample_grad_norms`.
+        max_norm (float): the clipping norm C.
+        noise_multiplier (float): sigma; the noise's standard deviation is ``sigma * C``.
+        generator (torch.Generator, optional): the CPU generator of the noise.
+        expected_batch_size (int or float, optional): B (with Poisson sampling); the batch's size if None.
+        norms (Tensor, optional): the (B,) gradient norms, when already computed on this model and batch.
+        report (bool): also return the clipped sum's :class:`PathReport`.
+
+    Returns:
+        ``{name: tensor shaped like the parameter}``, with ``report=True`` a pair ``(gradient, PathReport)``.
+    """
+    batch = _as_batch(inputs, targets, unbatched, keyword_inputs)
     divisor = len(batch) if expected_batch_size is None else expected_batch_size
-    clipped, how = clipped_grad_sum(model, loss_fn, inputs, targets, max_norm=max_norm, norms=norms, unbatched=unbatched,
-                                    chunk_size=chunk_size, path=path, report=True)
+    clipped, how = cast(tuple[_Grads, PathReport], clipped_grad_sum(
+        model, loss_fn, inputs, targets, max_norm=max_norm, norms=norms, unbatched=unbatched, chunk_size=chunk_size, path=path,
+        report=True, **keyword_inputs))
     with torch.inference_mode(False):  # ordinary tensors, also when called under inference_mode
         result = noised_mean(clipped, max_norm=max_norm, noise_multiplier=noise_multiplier, expected_batch_size=divisor,
                              generator=generator)
     return (result, how) if report else result
 
 
-def clipped_grad_sum(model, loss_fn, inputs, targets=None, *, max_norm, norms=None, unbatched=(), chunk_size=None,
-                     path="auto", report=False):
-    """sum_i min(1, max_norm / (n_i + 1e-6)) * g_i, {name: tensor of shape *param.shape}: the sum of the
-    examples' gradients, each clipped to norm max_norm, without noise (the part of a DP-SGD step that
-    micro-batches add up). norms: each example's gradient norm n_i, a (B,) tensor from per_sample_grad_norms
-    on the same model and batch; computed here when None. The sum is one backward pass of the reweighted
-    loss sum_i min(1, max_norm / n_i) * loss_i, so no (B, *shape) tensor is held. path and report as in
-    per_sample_grad_norms: the backward pass runs from the batched forward pass where a trace shows it exact
-    ("fast"), else from vmap's ("vmap", "unroll"), else from one forward pass per example ("loop")."""
+def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None = None, targets: Any = None, *, max_norm: float,
+                     norms: torch.Tensor | None = None, unbatched: _Unbatched = (), chunk_size: int | None = None,
+                     path: str = "auto", report: bool = False, **keyword_inputs: Any) -> _Grads | tuple[_Grads, PathReport]:
+    r"""``sum_i min(1, max_norm / (n_i + 1e-6)) * g_i``: the examples' gradients, each clipped to norm
+    ``max_norm``, summed, without noise (the part of a DP-SGD step that micro-batches add up).
+
+    One backward pass of the reweighted loss ``sum_i min(1, max_norm / n_i) * loss_i``, so no (B, *shape)
+    tensor is held: from the batched forward pass where a trace shows it exact (``"fast"``), else from
+    ``vmap``'s (``"vmap"``, ``"unroll"``), else from one forward pass per example (``"loop"``).
+
+    Args:
+        model, loss_fn, inputs, targets, unbatched, chunk_size, path, keyword_inputs: as in :func:`per_sample_grad_norms`.
+        max_norm (float): the clipping norm C.
+        norms (Tensor, optional): each example's gradient norm, a (B,) tensor from
+            :func:`per_sample_grad_norms` on the same model and batch; computed here when None.
+        report (bool): also return a :class:`PathReport`.
+
+    Returns:
+        ``{name: tensor shaped like the parameter}``, with ``report=True`` a pair ``(sum, PathReport)``.
+    """
     trainable = _check_model(model)
-    batch = _as_batch(inputs, targets, unbatched)
+    batch = _as_batch(inputs, targets, unbatched, keyword_inputs)
     _check_chunk_size(chunk_size)
     _check_path(path)
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
     if norms is None:
-        norms = per_sample_grad_norms(model, loss_fn, inputs, targets, unbatched=unbatched, chunk_size=chunk_size, path=path)
+        norms = cast(torch.Tensor, per_sample_grad_norms(model, loss_fn, inputs, targets, unbatched=unbatched,
+                                                         chunk_size=chunk_size, path=path, **keyword_inputs))
     if not isinstance(norms, torch.Tensor) or norms.shape != (len(batch),):
         raise ValueError(f"norms must be a ({len(batch)},) tensor, one norm per example")
     with torch.inference_mode(False), torch.enable_grad():
@@ -476,9 +483,9 @@ def clipped_grad_sum(model, loss_fn, inputs, targets=None, *, max_norm, norms=No
             return (zeros, PathReport("none", "the batch is empty")) if report else zeros
         output = None
         reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(
-            model, trainable, ("layer_norm", "embedding"))
+            model, trainable, "norms")
         if reason is None:  # the plain batched forward, where a trace shows it exact
-            output, _, reason = _traced_forward(model, batch, trainable, ("layer_norm", "embedding"))
+            output, _, reason = _traced_forward(model, batch, trainable, "norms")
         if output is not None:
             losses = _losses_of_each(loss_fn, output, batch)
             grads = torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), list(trainable.values()), allow_unused=True)

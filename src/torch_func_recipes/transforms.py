@@ -1,12 +1,13 @@
 """Chapters 1 and 2: pairwise (vmap of vmap), jacobian_via_vjp (vmap over vjp) and hvp (forward-over-reverse)."""
 
 import numbers
+from collections.abc import Callable
 
 import torch
 from torch.func import grad, jvp, vjp, vmap
 
 
-def pairwise(f):
+def pairwise(f: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Turn f(a, b) on single examples into a function of two batches returning f over all pairs.
 
     pairwise(f)(A, B)[i, j] == f(A[i], B[j]); the result has shape (len(A), len(B), *f(a, b).shape).
@@ -17,7 +18,7 @@ def pairwise(f):
     return vmap(over_b, in_dims=(0, None))  # ... for every a in A
 
 
-def jacobian_via_vjp(f, x, *, chunk_size=None):
+def jacobian_via_vjp(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *, chunk_size: int | None = None) -> torch.Tensor:
     """The Jacobian of f at x, of shape f(x).shape + x.shape, from vmap over vector-Jacobian products.
 
     One forward pass of f, then batched backward passes over the output basis vectors: all of them
@@ -46,7 +47,7 @@ def jacobian_via_vjp(f, x, *, chunk_size=None):
     return (rows[0] if len(rows) == 1 else torch.cat(rows)).reshape(y.shape + x.shape)
 
 
-def hvp(f, x, v):
+def hvp(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Hessian-vector product H(x) @ v of a scalar function f, without building the Hessian.
 
     Forward-over-reverse: the directional derivative of grad(f) at x along v. x and v may have any

@@ -1,0 +1,86 @@
+"""The fast path's rule for nn.Conv1d and nn.Conv2d (ungrouped, not transposed): a linear map of patches.
+
+Each output position of a convolution is a linear layer applied to the patch it sees, so the
+per-example products are those of a linear layer with the positions as rows (im2col). A convolution
+whose parameters are all frozen passes through with one row per example. Registered in _layers; also
+copied, without this docstring, into the notebook cells tagged `shared-layer_conv` by
+scripts/build_shared.py: edit it here.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ._layers import _LayerRule, _register
+
+
+def _im2col(layer, a, delta):
+    """The patches each output position of a convolution saw, (B, C*kh*kw, L), and delta as (..., B, O, L)."""
+    if a.dim() == 3:  # a 1-D convolution is a 2-D one of height 1
+        a, delta = a[:, :, None, :], delta.unsqueeze(-2)
+        kernel, stride, padding, dilation = [(1, *v) for v in (layer["weight_shape"][2:], layer["stride"], layer["padding"], layer["dilation"])]
+        padding = (0, padding[1])
+    else:
+        kernel, stride, padding, dilation = layer["weight_shape"][2:], layer["stride"], layer["padding"], layer["dilation"]
+    batch, rows, cols = a.shape[0], delta.shape[-2], delta.shape[-1]
+    if any(padding):
+        a = F.pad(a, (padding[1], padding[1], padding[0], padding[0]))
+    sb, sc, sh, sw = a.stride()
+    patches = a.as_strided((batch, a.shape[1], *kernel, rows, cols),
+                           (sb, sc, sh * dilation[0], sw * dilation[1], sh * stride[0], sw * stride[1]))
+    return patches.reshape(batch, -1, rows * cols), delta.flatten(-2)  # im2col: one copy
+
+
+class _ConvRule(_LayerRule):
+    kind = "conv"
+    modules = (nn.Conv1d, nn.Conv2d)
+    ops = frozenset({torch.ops.aten.convolution.default})
+
+    def record(self, trace, func, args, kwargs, result, r, params, transposed):
+        a, w, b, stride, padding, dilation, transposed_conv, output_padding, groups = args
+        weight, bias = trace.param_of(w), trace.param_of(b)
+        if r is None and not (weight or bias):
+            return NotImplemented  # constants only
+        if r is None or trace.r_of(a) != 1 or trace.r_of(w) is not None or trace.r_of(b) is not None:
+            trace.fail(f"{func}: only the input may carry example data")
+        if weight or bias:
+            if transposed_conv or groups != 1 or a.dim() not in (3, 4):
+                trace.fail(f"{func}: transposed, grouped or 3-D convolutions are not on the fast path")
+            trace.layers.append(dict(kind=self.kind, weight=trace.use(weight, func, self), bias=trace.use(bias, func, self),
+                                     a=a, z=result, r=1, stride=stride, padding=padding, dilation=dilation,
+                                     weight_shape=w.shape, versions=(a._version, result._version)))
+        return 1
+
+    def per_example_grads(self, layer, delta, out):
+        a, weight, bias = layer["a"].detach(), layer["weight"], layer["bias"]
+        patches, flat_delta = _im2col(layer, a, delta)
+        if bias is not None:
+            torch.sum(flat_delta, dim=2, out=out[bias])
+        if weight is not None:
+            torch.bmm(flat_delta, patches.transpose(1, 2), out=out[weight].view(len(a), flat_delta.shape[1], -1))
+
+    def jacobian_rows(self, layer, delta, columns):
+        a, weight, bias = layer["a"].detach(), layer["weight"], layer["bias"]
+        patches, flat_delta = _im2col(layer, a, delta)  # flat_delta: (Y, B, O, L)
+        if bias is not None:
+            columns[bias].copy_(flat_delta.sum(dim=3).transpose(0, 1))
+        if weight is not None:
+            products = torch.matmul(flat_delta.transpose(0, 1), patches[:, None].transpose(2, 3))  # (B, Y, O, C*kh*kw)
+            columns[weight].copy_(products.view(columns[weight].shape))
+
+    def squared_norms(self, layer, g, batch):
+        patches, delta = _im2col(layer, layer["a"].detach(), g)  # (B, C*k, L) and (B, O, L): a linear layer with L positions as tokens
+        found = []
+        if layer["bias"] is not None:
+            found.append((layer["bias"], delta.sum(2).square().sum(1), "direct"))
+        if layer["weight"] is not None:
+            positions, k, o = delta.shape[2], patches.shape[1], delta.shape[1]
+            if positions * positions * (k + o) <= positions * k * o:
+                pairs = (patches.transpose(1, 2) @ patches) * (delta.transpose(1, 2) @ delta)
+                found.append((layer["weight"], pairs.sum((1, 2)), "ghost"))
+            else:
+                found.append((layer["weight"], (delta @ patches.transpose(1, 2)).square().sum((1, 2)), "direct"))
+        return found
+
+
+_register(_ConvRule())
