@@ -88,25 +88,22 @@ def notebooks(root: Path = ROOT) -> list[Path]:
     return sorted((root / "book").glob("*.md")) + sorted((root / "book").glob("*.ipynb"))
 
 
-def sync(root: Path = ROOT, write: bool = True) -> list[str]:
-    """Return 'file: cell N (shared-name)' for every copy that differs; rewrite them when write is set."""
-    sources = shared_sources(root)
+def rewrite_cells(root: Path, write: bool, wanted_source, skip=()) -> list[str]:
+    """For every notebook of the book (but the stems in skip) and every cell, wanted_source(path, index, cell)
+    gives (label, the source the cell should have) or None to leave it. Returns 'file: cell N (label)' for
+    every cell that differs, and rewrites those notebooks when write is set."""
     stale = []
     for path in notebooks(root):
+        if path.stem in skip:
+            continue
         is_md = path.suffix == ".md"
         notebook = jupytext.read(path) if is_md else nbformat.read(path, as_version=4)
         changed = False
         for index, cell in enumerate(notebook.cells):
-            name = shared_name(cell)
-            if name is None:
-                continue
-            if name not in sources:
-                raise SystemExit(f"{path.relative_to(root)}: cell {index} is tagged {TAG}{name}, "
-                                 f"but book/_shared/{name}.py does not exist and the package has no module for it")
-            wanted = cell_text(name, sources[name])
-            if cell.source != wanted:
-                stale.append(f"{path.relative_to(root)}: cell {index} ({TAG}{name})")
-                cell.source = wanted
+            wanted = wanted_source(path, index, cell)
+            if wanted is not None and cell.source != wanted[1]:
+                stale.append(f"{path.relative_to(root)}: cell {index} ({wanted[0]})")
+                cell.source = wanted[1]
                 changed = True
         if changed and write:
             if is_md:
@@ -114,6 +111,22 @@ def sync(root: Path = ROOT, write: bool = True) -> list[str]:
             else:
                 nbformat.write(notebook, path)
     return stale
+
+
+def sync(root: Path = ROOT, write: bool = True) -> list[str]:
+    """Return 'file: cell N (shared-name)' for every copy that differs; rewrite them when write is set."""
+    sources = shared_sources(root)
+
+    def wanted(path, index, cell):
+        name = shared_name(cell)
+        if name is None:
+            return None
+        if name not in sources:
+            raise SystemExit(f"{path.relative_to(root)}: cell {index} is tagged {TAG}{name}, "
+                             f"but book/_shared/{name}.py does not exist and the package has no module for it")
+        return f"{TAG}{name}", cell_text(name, sources[name])
+
+    return rewrite_cells(root, write, wanted)
 
 
 RECIPE_BOX = "08_recipe_box"
@@ -147,29 +160,15 @@ def recipe_cell_source(source: str, texts: dict[str, str]) -> str:
 
 def sync_recipes(root: Path = ROOT, write: bool = True, package: Path = PACKAGE) -> list[str]:
     """Return 'file: cell N (recipe)' for every recipe cell whose definitions differ from the package's text;
-    rewrite them when write is set."""
+    rewrite them when write is set. The recipe box is generated from the chapters (scripts/build_recipe_box.py)."""
     texts = package_texts(package)
-    stale = []
-    for path in notebooks(root):
-        if path.stem == RECIPE_BOX:  # generated from the chapters by scripts/build_recipe_box.py
-            continue
-        is_md = path.suffix == ".md"
-        notebook = jupytext.read(path) if is_md else nbformat.read(path, as_version=4)
-        changed = False
-        for index, cell in enumerate(notebook.cells):
-            if cell.cell_type != "code" or "recipe" not in cell.metadata.get("tags", []):
-                continue
-            wanted = recipe_cell_source(cell.source, texts)
-            if cell.source != wanted:
-                stale.append(f"{path.relative_to(root)}: cell {index} (recipe)")
-                cell.source = wanted
-                changed = True
-        if changed and write:
-            if is_md:
-                jupytext.write(notebook, path, fmt="md:myst")
-            else:
-                nbformat.write(notebook, path)
-    return stale
+
+    def wanted(path, index, cell):
+        if cell.cell_type != "code" or "recipe" not in cell.metadata.get("tags", []):
+            return None
+        return "recipe", recipe_cell_source(cell.source, texts)
+
+    return rewrite_cells(root, write, wanted, skip=(RECIPE_BOX,))
 
 
 if __name__ == "__main__":
