@@ -144,8 +144,21 @@ def _per_example(model, loss_fn, inputs, targets, params):
 @_gradients_enabled
 def empirical_fisher_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any,
                         vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """F v for the empirical Fisher F = w * sum_n g_n g_n^T, where g_n is the gradient of example n's loss and
-    w = 1/B for a mean loss (1 for a sum): per-example gradients by vmap of grad, then two contractions."""
+    r"""F v for the empirical Fisher ``F = w * sum_n g_n g_n^T``, without a P x P matrix.
+
+    g_n is the gradient of example n's loss, ``w = 1/B`` for a mean loss (1 for a sum): per-example
+    gradients by ``vmap`` of ``grad``, then two contractions.
+
+    Args:
+        model (nn.Module): the model; never modified. Random modules must be in eval mode.
+        loss_fn (Callable): ``loss_fn(model(inputs), targets)``, a mean or a sum over the examples.
+        inputs (Tensor): the batch, examples along dimension 0.
+        targets (Tensor): their targets.
+        vector (dict): ``{name: tensor shaped like the parameter}`` for every parameter that requires grad.
+
+    Returns:
+        ``{name: tensor shaped like the parameter}``. Memory: the B x P per-example gradients.
+    """
     params = _trainable(model, inputs, targets)
     vector = _check_vector(vector, params)
     loss_of_one, weight = _per_example(model, loss_fn, inputs, targets, params)
@@ -207,13 +220,22 @@ def _output_hessian_factors(loss_fn, outputs, targets):
 
 @_gradients_enabled
 def ggn_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, per_sample: bool = False) -> dict[str, torch.Tensor]:
-    """The exact diagonal of the Gauss-Newton matrix, {name: tensor shaped like the parameter}; with
-    per_sample=True each example's share of it, {name: (B, *shape)}, which sum over B to the diagonal.
-    For a mean or sum w * sum_n of per-example losses, with H_n = sum_k lam_k u_k u_k^T the Hessian of example n's
-    loss in its outputs: diag G = w * sum_n sum_k lam_k (J_n^T u_k)^2. One forward pass records each parameter's
-    module's input a and output z; Y batched backward passes give dL/dz for the Y cotangents u_k; a linear
-    layer's share is then sum_k lam_k delta_k^2 times a^2, any other layer's squares its own per-example vjp. A
-    check of every call (the layers' products must rebuild one ordinary vjp) falls back to vmap over examples."""
+    r"""The exact diagonal of the Gauss-Newton matrix G (or each example's share of it).
+
+    For a mean or sum ``w * sum_n`` of per-example losses, with ``H_n = sum_k lam_k u_k u_k^T`` the Hessian of
+    example n's loss in its outputs: ``diag G = w * sum_n sum_k lam_k (J_n^T u_k)^2``. One forward pass records
+    each parameter's module's input a and output z; Y batched backward passes give dL/dz for the Y cotangents
+    u_k; a linear layer's share is then ``sum_k lam_k delta_k^2`` times ``a^2``, any other layer's squares its own
+    per-example vjp. A check of every call (the layers' products must rebuild one ordinary vjp) falls back to
+    ``vmap`` over examples.
+
+    Args:
+        model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
+        per_sample (bool): return each example's share, ``{name: (B, *shape)}``, which sum over B to the diagonal.
+
+    Returns:
+        ``{name: tensor shaped like the parameter}`` (``(B, *shape)`` with ``per_sample=True``).
+    """
     params = _trainable(model, inputs, targets)
     owners = {}  # parameter name -> (the module holding it, its name there)
     for module_name, module in model.named_modules():
@@ -331,10 +353,20 @@ def hessian_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inp
 @_gradients_enabled
 def top_hessian_eigenvalues(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, k: int = 1, *, iterations: int | None = None,
                             generator: torch.Generator | None = None) -> torch.Tensor:
-    """The k algebraically largest eigenvalues of the parameter Hessian of loss_fn(model(inputs), targets),
-    largest first, as a 1-d tensor. Lanczos with full reorthogonalisation on Hessian-vector products:
-    `iterations` products (default min(P, max(2k + 20, 40))), then the eigenvalues of the small tridiagonal
-    matrix. The start vector is drawn from `generator` on the CPU. With iterations = P it is exact up to rounding."""
+    r"""The k algebraically largest eigenvalues of the parameter Hessian, largest first.
+
+    Lanczos with full reorthogonalisation on Hessian-vector products, then the eigenvalues of the small
+    tridiagonal matrix. With ``iterations = P`` it is exact up to rounding.
+
+    Args:
+        model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
+        k (int): how many eigenvalues.
+        iterations (int, optional): Hessian-vector products to use; default ``min(P, max(2k + 20, 40))``.
+        generator (torch.Generator, optional): the CPU generator of the start vector.
+
+    Returns:
+        A 1-d tensor of k eigenvalues. Memory: ``iterations`` vectors of P numbers.
+    """
     params = _trainable(model, inputs, targets)
     total = sum(p.numel() for p in params.values())
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= total:
@@ -396,8 +428,20 @@ def gauss_newton_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], in
 
 def conjugate_gradient(matvec: Callable[[torch.Tensor], torch.Tensor], b: torch.Tensor, *, tol: float = 1e-10,
                        max_iterations: int | None = None) -> torch.Tensor:
-    """Solve A x = b for a symmetric positive definite A given as matvec on flat vectors, to a relative residual
-    |b - A x| <= tol |b|. Raises if A shows a direction of non-positive curvature."""
+    r"""Solve ``A x = b`` for a symmetric positive definite A given as a matrix-vector product.
+
+    Args:
+        matvec (Callable): ``x -> A x`` on flat vectors.
+        b (Tensor): the right-hand side, a flat vector.
+        tol (float): stop at a relative residual ``|b - A x| <= tol |b|``.
+        max_iterations (int, optional): at most this many iterations (default: the length of b).
+
+    Returns:
+        x, shaped like b.
+
+    Raises:
+        ValueError: if A shows a direction of non-positive curvature.
+    """
     x, r, p = torch.zeros_like(b), b.clone(), b.clone()
     rr, target, limit = torch.dot(b, b), (tol * b.norm()) ** 2, max_iterations or 10 * b.numel()
     for _ in range(limit):

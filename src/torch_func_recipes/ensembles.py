@@ -9,11 +9,19 @@ from torch.func import functional_call, stack_module_state, vmap
 
 
 def stack_models(models: Iterable[nn.Module]) -> tuple[Callable[..., torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Stack M models of one architecture: returns (forward, params, buffers), where params and
-    buffers hold every tensor with a leading dimension M, and forward(params, buffers, x) runs all M
-    models on one input tensor x; with per_model_batches=True, x must be (M, B, ...) and model i sees
-    x[i]. Models take one tensor input. Nothing is written back to `models`, and nothing done to them
-    later (such as .eval()) reaches the ensemble: it keeps the mode the models had when stacked.
+    r"""Stack M models of one architecture into one vmapped function.
+
+    Nothing is written back to ``models``, and nothing done to them later (such as ``.eval()``) reaches the
+    ensemble: it keeps the mode the models had when stacked.
+
+    Args:
+        models (iterable of nn.Module): M models of one class, structure, dtype, device and mode, each
+            taking one tensor input.
+
+    Returns:
+        ``(forward, params, buffers)``: params and buffers hold every tensor with a leading dimension M, and
+        ``forward(params, buffers, x)`` runs all M models on one input x; with ``per_model_batches=True``, x
+        is (M, B, ...) and model i sees ``x[i]``.
     """
     models = list(models)
     if not models or not all(isinstance(m, nn.Module) for m in models):

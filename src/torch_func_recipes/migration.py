@@ -7,9 +7,18 @@ import torch.nn as nn
 
 
 def named_like_parameters(model: nn.Module, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Name a functorch-style tuple of tensors, ordered like model.parameters(), with the names of
-    model.named_parameters(): the dict functional_call and torch.func.grad use. Raises if the count or
-    any shape differs, since a shifted tuple would otherwise be matched to the wrong parameters."""
+    r"""Name a functorch-style tuple of tensors with the names of ``model.named_parameters()``.
+
+    Args:
+        model (nn.Module): the model whose ``parameters()`` order the tuple follows.
+        tensors (sequence of Tensor): one tensor per parameter, in that order.
+
+    Returns:
+        ``{name: tensor}``, the dict ``functional_call`` and ``torch.func.grad`` use.
+
+    Raises:
+        ValueError: if the count or any shape differs (a shifted tuple would be matched to the wrong parameters).
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"named_like_parameters needs an nn.Module, got {type(model).__name__}")
     if isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors):

@@ -154,7 +154,15 @@ def _vmap_jacrev(model, select, trainable, batch, chunk_size, out, total):
 
 
 def split_by_parameter(jacobian: torch.Tensor, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Views of a (B, Y, P) output Jacobian, {name: (B, Y, *param.shape)}, in named_parameters() order."""
+    r"""Views of a (B, Y, P) output Jacobian, one per parameter, in ``named_parameters()`` order.
+
+    Args:
+        jacobian (Tensor): a (B, Y, P) tensor from :func:`output_jacobian` on ``model``.
+        model (nn.Module): the model, whose parameters that require grad give the P columns.
+
+    Returns:
+        ``{name: (B, Y, *param.shape)}``, views (no copy).
+    """
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     total = sum(p.numel() for _, p in params)
     if jacobian.dim() != 3 or jacobian.shape[2] != total:
@@ -167,8 +175,19 @@ def split_by_parameter(jacobian: torch.Tensor, model: nn.Module) -> dict[str, to
 
 
 def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-    """The empirical NTK, a tensor (N1, N2, Y, Y): entry [a, b, i, j] is the dot product, over all
-    parameters, of d output_i(x1[a]) / d params and d output_j(x2[b]) / d params."""
+    r"""The empirical neural tangent kernel of two batches.
+
+    Entry ``[a, b, i, j]`` is the dot product, over all parameters, of ``d output_i(x1[a]) / d params`` and
+    ``d output_j(x2[b]) / d params``.
+
+    Args:
+        model (nn.Module): a model whose output is (N, Y).
+        x1 (Tensor): a batch of N1 inputs.
+        x2 (Tensor): a batch of N2 inputs.
+
+    Returns:
+        A (N1, N2, Y, Y) tensor.
+    """
     for name, x in (("x1", x1), ("x2", x2)):
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             raise ValueError(f"{name} must be a batch of inputs (a tensor with a batch dimension first), "

@@ -134,15 +134,24 @@ def _vmap_grad(model, trainable, loss_fn, batch, chunk_size):
 
 def clip_and_noise(per_sample: _Grads, max_norm: float, noise_multiplier: float, generator: torch.Generator | None = None, *,
                    expected_batch_size: int | float | None = None) -> _Grads:
-    """The DP-SGD gradient from per-sample gradients {name: (B, *shape)}: clip each example's whole
-    gradient to norm max_norm, sum, add N(0, (noise_multiplier * max_norm)^2) noise to every entry,
-    and divide by expected_batch_size (with Poisson sampling, the expected batch size; B if None).
-    Returns {name: tensor of shape *shape}.
+    r"""The DP-SGD gradient from per-sample gradients.
 
-    The noise is drawn on the CPU from `generator` (a torch.Generator; fresh randomness if None) and
-    moved, so a seeded call gives the same step on any device. This is the arithmetic of one step;
-    a privacy guarantee also needs Poisson sampling, a privacy accountant and a cryptographically
-    secure noise source, which Opacus provides.
+    Clips each example's whole gradient to norm ``max_norm``, sums, adds ``N(0, (noise_multiplier * max_norm)^2)``
+    noise to every entry, and divides by ``expected_batch_size``. This is the arithmetic of one step; a
+    privacy guarantee also needs Poisson sampling, a privacy accountant and a cryptographically secure
+    noise source, which Opacus provides.
+
+    Args:
+        per_sample (dict): ``{name: (B, *shape)}`` per-example gradients.
+        max_norm (float): the clipping norm C.
+        noise_multiplier (float): sigma; the noise's standard deviation is ``sigma * C``.
+        generator (torch.Generator, optional): the CPU generator the noise is drawn from (then moved), so a
+            seeded call gives the same step on any device; fresh randomness if None.
+        expected_batch_size (int or float, optional): the divisor (with Poisson sampling, the expected batch
+            size); B if None.
+
+    Returns:
+        ``{name: tensor of shape *shape}``.
     """
     if not isinstance(per_sample, dict) or not per_sample:
         raise ValueError("per_sample must be a non-empty dict {name: tensor (B, *shape)}")
