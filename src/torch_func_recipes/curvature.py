@@ -93,9 +93,17 @@ def _hvp_operator(model, loss_fn, inputs, targets, params):
 
 @_gradients_enabled
 def param_hvp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """H v, for the Hessian H of loss_fn(model(inputs), targets) with respect to the model's parameters that
-    require grad. vector and the result are dicts name -> tensor shaped like the parameter.
-    Reverse-over-reverse: the gradient g with its graph, then one backward pass of <g, v>. No P x P matrix."""
+    r"""H v for the Hessian H of ``loss_fn(model(inputs), targets)`` in the parameters that require grad.
+
+    Reverse-over-reverse: the gradient g with its graph, then one backward pass of <g, v>. No P x P matrix.
+
+    Args:
+        model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
+        vector (dict): ``{name: tensor shaped like the parameter}``.
+
+    Returns:
+        ``{name: tensor shaped like the parameter}``.
+    """
     params = _trainable(model, inputs, targets)
     vector = _check_vector(vector, params)
     return _hvp_operator(model, loss_fn, inputs, targets, params)(vector)
@@ -103,10 +111,18 @@ def param_hvp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: An
 
 @_gradients_enabled
 def ggn_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """G v for the generalised Gauss-Newton matrix G = J^T H_L J of loss_fn(model(inputs), targets), where J is
-    the Jacobian of the model's outputs with respect to its trainable parameters and H_L the Hessian of
-    loss_fn in the outputs: J v (by the double-backward trick), H_L J v in output space, then J^T (...), all
-    in reverse mode."""
+    r"""G v for the generalised Gauss-Newton matrix ``G = J^T H_L J`` of ``loss_fn(model(inputs), targets)``.
+
+    J is the Jacobian of the outputs in the parameters, H_L the loss's Hessian in the outputs: J v by the
+    double-backward trick, H_L J v in output space, then J^T (...), all in reverse mode.
+
+    Args:
+        model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
+        vector (dict): ``{name: tensor shaped like the parameter}``.
+
+    Returns:
+        ``{name: tensor shaped like the parameter}``.
+    """
     params = _trainable(model, inputs, targets)
     vector = _check_vector(vector, params)
     leaves = _leaves(params)
@@ -334,9 +350,19 @@ def _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size)
 @_gradients_enabled
 def hessian_trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, samples: int, generator: torch.Generator | None = None,
                   chunk_size: int | None = None) -> float:
-    """Hutchinson's estimate of the trace of the parameter Hessian of loss_fn(model(inputs), targets): the mean
-    of v^T H v over `samples` Rademacher vectors v (entries +-1, drawn from `generator` on the CPU). Unbiased,
-    with a variance that falls as 1/samples. Probes run through vmap, chunk_size at a time if given. A float."""
+    r"""Hutchinson's estimate of the trace of the parameter Hessian: the mean of ``v^T H v``.
+
+    Unbiased, with a variance that falls as 1/samples; the probes run through one batched backward pass.
+
+    Args:
+        model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
+        samples (int): how many Rademacher vectors v (entries +-1).
+        generator (torch.Generator, optional): the CPU generator of the probes.
+        chunk_size (int, optional): probes per backward pass; all at once if None.
+
+    Returns:
+        A float.
+    """
     probes, products = _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size)
     return sum((probes[n] * products[n]).flatten(1).sum(dim=1) for n in probes).mean().item()
 
@@ -344,8 +370,15 @@ def hessian_trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs
 @_gradients_enabled
 def hessian_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, samples: int,
                      generator: torch.Generator | None = None, chunk_size: int | None = None) -> dict[str, torch.Tensor]:
-    """Hutchinson's estimate of the diagonal of the parameter Hessian, {name: tensor shaped like the parameter}:
-    the mean of v * (H v) over `samples` Rademacher vectors v. Unbiased; variance falls as 1/samples."""
+    r"""Hutchinson's estimate of the diagonal of the parameter Hessian: the mean of ``v * (H v)``.
+
+    Args:
+        model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
+        samples, generator, chunk_size: as in :func:`hessian_trace`.
+
+    Returns:
+        ``{name: tensor shaped like the parameter}``.
+    """
     probes, products = _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size)
     return {n: (probes[n] * products[n]).mean(dim=0) for n in probes}
 
@@ -406,10 +439,19 @@ def top_hessian_eigenvalues(model: nn.Module, loss_fn: Callable[..., torch.Tenso
 
 @_gradients_enabled
 def gauss_newton_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, damping: float) -> dict[str, torch.Tensor]:
-    """The damped Gauss-Newton step -(G + damping I)^{-1} g for loss_fn(model(inputs), targets), as a dict
-    {name: tensor shaped like the parameter}, solved in output space: -J^T (damping I + H_L J J^T)^{-1} r, with J
-    the (B*Y, P) output Jacobian (vmap over examples of jacrev), H_L the loss's Hessian in the outputs and
-    r its gradient there. One dense solve of B*Y unknowns, whatever P is."""
+    r"""The damped Gauss-Newton step ``-(G + damping I)^{-1} g``, solved in output space.
+
+    ``-J^T (damping I + H_L J J^T)^{-1} r``, with J the (B*Y, P) output Jacobian (``vmap`` over examples of
+    ``jacrev``), H_L the loss's Hessian in the outputs and r its gradient there: one dense solve of B*Y
+    unknowns.
+
+    Args:
+        model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
+        damping (float): the damping, non-negative.
+
+    Returns:
+        ``{name: tensor shaped like the parameter}``. Memory: the (B*Y, P) Jacobian.
+    """
     if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or damping <= 0:
         raise ValueError(f"damping must be a positive number, got {damping!r}")
     params = _trainable(model, inputs, targets)
@@ -462,10 +504,23 @@ def conjugate_gradient(matvec: Callable[[torch.Tensor], torch.Tensor], b: torch.
 @_gradients_enabled
 def influence_scores(model: nn.Module, loss_fn: Callable[..., torch.Tensor], train_inputs: Any, train_targets: Any, test_inputs: Any, test_targets: Any, *,
                      damping: float, tol: float = 1e-10, max_iterations: int | None = None) -> torch.Tensor:
-    """For each training example i, the first-order change of the test loss loss_fn(model(test_inputs), test_targets)
-    when example i's term is removed from the training loss: w * g_test^T (H + damping I)^{-1} g_i, with H the
-    Hessian of the training loss, g_i the gradient of example i's own loss, w = 1/N for a mean (1 for a sum).
-    Positive: the example helps the test loss. Conjugate gradients on damped Hessian-vector products. Shape (N,)."""
+    r"""Each training example's first-order effect on the test loss, ``w * g_test^T (H + damping I)^{-1} g_i``.
+
+    The change of ``loss_fn(model(test_inputs), test_targets)`` when example i's term is removed from the
+    training loss: H the Hessian of the training loss, g_i the gradient of example i's own loss, w = 1/N for
+    a mean (1 for a sum). Positive: the example helps the test loss. Conjugate gradients on damped
+    Hessian-vector products.
+
+    Args:
+        model, loss_fn: as in :func:`empirical_fisher_vp`.
+        train_inputs, train_targets: the N training examples.
+        test_inputs, test_targets: the test batch.
+        damping (float): added to H; must make it positive definite.
+        tol, max_iterations: as in :func:`conjugate_gradient`.
+
+    Returns:
+        A (N,) tensor. Memory: the N x P per-example gradients.
+    """
     if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or damping < 0:
         raise ValueError(f"damping must be a non-negative number, got {damping!r}")
     params = _trainable(model, train_inputs, train_targets)

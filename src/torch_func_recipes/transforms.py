@@ -8,9 +8,13 @@ from torch.func import grad, jvp, vjp, vmap
 
 
 def pairwise(f: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Turn f(a, b) on single examples into a function of two batches returning f over all pairs.
+    r"""Turn ``f(a, b)`` on single examples into a function of two batches, over all pairs.
 
-    pairwise(f)(A, B)[i, j] == f(A[i], B[j]); the result has shape (len(A), len(B), *f(a, b).shape).
+    Args:
+        f (Callable): a function of two examples.
+
+    Returns:
+        A function with ``pairwise(f)(A, B)[i, j] == f(A[i], B[j])``, of shape ``(len(A), len(B), *f(a, b).shape)``.
     """
     if not callable(f):
         raise TypeError(f"pairwise expects a function of two examples, got {type(f).__name__}")
@@ -19,11 +23,18 @@ def pairwise(f: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Te
 
 
 def jacobian_via_vjp(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *, chunk_size: int | None = None) -> torch.Tensor:
-    """The Jacobian of f at x, of shape f(x).shape + x.shape, from vmap over vector-Jacobian products.
+    r"""The Jacobian of f at x, from ``vmap`` over vector-Jacobian products.
 
-    One forward pass of f, then batched backward passes over the output basis vectors: all of them
-    at once, or chunk_size at a time (building only that many basis rows) to bound memory.
-    Real floating-point tensors only, like torch.func.jacrev.
+    One forward pass of f, then batched backward passes over the output basis vectors: all of them at once,
+    or ``chunk_size`` at a time (building only that many basis rows) to bound memory.
+
+    Args:
+        f (Callable): a function of one real floating-point tensor returning one (real) tensor.
+        x (Tensor): the point, of any shape.
+        chunk_size (int, optional): basis rows per batched backward pass; all at once if None.
+
+    Returns:
+        The Jacobian, of shape ``f(x).shape + x.shape``, like ``torch.func.jacrev(f)(x)``.
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError("jacobian_via_vjp needs x to be a real floating-point tensor, got "
@@ -48,12 +59,19 @@ def jacobian_via_vjp(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
 
 
 def hvp(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Hessian-vector product H(x) @ v of a scalar function f, without building the Hessian.
+    r"""The Hessian-vector product ``H(x) @ v`` of a scalar function f, without building the Hessian.
 
-    Forward-over-reverse: the directional derivative of grad(f) at x along v. x and v may have any
-    shape (the same one); the result has that shape too. Every operation in f needs forward-mode
-    support (a custom autograd.Function needs a jvp); where one lacks it, vjp(grad(f), x)[1](v)
-    computes the same product in reverse-over-reverse.
+    Forward-over-reverse: the directional derivative of ``grad(f)`` at x along v. Every operation in f needs
+    forward-mode support (a custom ``autograd.Function`` needs a ``jvp``); where one lacks it,
+    ``vjp(grad(f), x)[1](v)`` computes the same product in reverse-over-reverse.
+
+    Args:
+        f (Callable): a function of x returning a 0-d tensor.
+        x (Tensor): the point, of any shape.
+        v (Tensor): the direction, of x's shape.
+
+    Returns:
+        A tensor of x's shape.
     """
     if not isinstance(x, torch.Tensor) or not isinstance(v, torch.Tensor):
         raise TypeError("hvp needs x and v to be tensors")
