@@ -87,14 +87,11 @@ class _Batch:
         return leaves, spec, batched
 
     def _rebuild(self, leaves: list) -> "_Batch":
-        args, kwargs, targets = tree_unflatten(leaves, self._leaves()[1])
-        return _Batch(tuple(args), dict(kwargs), targets, self.batched_args, self.batched_kwargs,
-                      self.size if not leaves else self._size_of(leaves))
-
-    def _size_of(self, leaves: list) -> int:
-        _, _, batched = self._leaves()
-        sizes = [leaf.shape[0] for leaf, b in zip(leaves, batched) if b]
-        return sizes[0] if sizes else self.size
+        """A batch of the same structure holding `leaves` (one per leaf of _leaves), its size read from them."""
+        _, spec, batched = self._leaves()
+        args, kwargs, targets = tree_unflatten(leaves, spec)
+        size = next((leaf.shape[0] for leaf, b in zip(leaves, batched) if b), self.size)
+        return _Batch(tuple(args), dict(kwargs), targets, self.batched_args, self.batched_kwargs, size)
 
     def rows(self, rows: slice) -> "_Batch":
         """The examples in `rows`, as a batch of its own."""

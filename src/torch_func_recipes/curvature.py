@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, jacrev, vjp, vmap
 
-from ._batch import _as_batch, _check_model, _gradients_enabled
+from ._batch import _as_batch, _check_chunk_size, _check_model, _gradients_enabled
 
 
 def _trainable(model, inputs, targets):
@@ -340,8 +340,7 @@ def _rademacher(params, samples, generator):
 def _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size):
     params = _trainable(model, inputs, targets)
     probes = _rademacher(params, samples, generator)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    _check_chunk_size(chunk_size)
     hvp, step = _hvp_operator(model, loss_fn, inputs, targets, params), chunk_size or int(samples)
     chunks = [hvp({n: t[i:i + step] for n, t in probes.items()}, batched=True) for i in range(0, int(samples), step)]
     return probes, {n: torch.cat([c[n] for c in chunks]) for n in params}

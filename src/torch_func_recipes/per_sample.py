@@ -519,7 +519,8 @@ def _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path,
         return torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), params, allow_unused=True)
 
     def by_loop():
-        weighted = sum(w * _scalar_loss(batch.example(n).loss(loss_fn, batch.example(n).call(model))) for n, w in enumerate(weights))
+        examples = (batch.example(n) for n in range(len(batch)))
+        weighted = sum(w * _scalar_loss(one.loss(loss_fn, one.call(model))) for one, w in zip(examples, weights))
         return torch.autograd.grad(weighted, params, allow_unused=True)
 
     return _with_fallbacks(model, path, by_vmap, by_loop, reason)
