@@ -9,7 +9,6 @@
 #   make lint                                  only the pre-commit hooks (jupytext --sync of every pair, ruff, mypy), on all files
 #   make sync                                  bring every .md/.ipynb pair in sync (the hook, run until it passes)
 #   make outputs [NB=book/01_vmap_basics.md]   re-execute notebooks and store their outputs
-#   make recipe-box                            regenerate book/08_recipe_box.md from the chapters' recipe cells
 #   make shared                                copy book/_shared/*.py and package modules into the cells tagged shared-<name>,
 #                                              and the package's definitions into the chapters' recipe cells
 #   make lock                                  regenerate requirements.lock from requirements*.txt and constraints.txt
@@ -57,7 +56,7 @@ TORCH_UPGRADE :=
 READY_DEPS    :=
 endif
 
-.PHONY: env site test nbval lint sync outputs recipe-box shared lock clean FORCE
+.PHONY: env site test nbval lint sync outputs shared lock clean FORCE
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -132,10 +131,6 @@ sync: $(READY)
 outputs: $(READY)
 	@test "$(TORCH)" = "$(TORCH_PIN)" || { echo "make outputs: stored outputs are made with the pinned torch $(TORCH_PIN) (constraints.txt), not TORCH=$(TORCH)"; exit 1; }
 	$(PY) -m scripts.execute_notebooks $(NB)
-
-recipe-box: $(READY)
-	$(PY) -m scripts.build_recipe_box
-	$(PY) -m scripts.execute_notebooks book/08_recipe_box.md
 
 shared: $(READY)
 	$(PY) -m scripts.build_shared

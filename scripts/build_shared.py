@@ -7,18 +7,20 @@ each of them; this script is the only thing that writes those copies, and tests/
 fails when a copy drifts. A copy comes from one of two places:
 
 - book/_shared/<name>.py, notebook-only helpers (basics, measure, ...), copied whole;
-- a module of the package, src/torch_func_recipes/ (PACKAGE_MODULES below: shared-batch is _batch.py,
-  shared-layers is _layers.py and shared-layer_<kind> its rules, shared-batch_trace is _trace.py,
-  shared-vmap_gaps is _vmap_gaps.py), which is their one source. A module is not a
-  notebook cell as it stands, so the copy leaves out two things: the module's docstring (the cell's
-  header comment says where the code comes from instead) and its relative imports (`from ._trace
-  import PathReport`), which mean nothing outside the package; a notebook gets those names from the
-  shared cell that defines them, which comes earlier in every page that uses them. The absolute
-  imports are kept: they rebind torch, nn, F and the rest to the objects a notebook already has, so
-  they are harmless there, and they make the cell runnable on its own.
+- the package, src/torch_func_recipes/, which is its one source: the cell tagged shared-package holds
+  every module of it (PACKAGE_ORDER below, in an order where each module comes after those it imports
+  from), so a chapter that calls the package's recipes carries all of it in one folded cell. A module
+  is not a notebook cell as it stands, so the copy leaves out, per module, its docstring (a comment
+  names the file instead), its relative imports (`from ._trace import PathReport`: in one cell, the
+  name is already defined above) and `from __future__ import annotations`, which the cell states
+  once, first, where Python requires it. The absolute imports are kept: they rebind torch, nn, F and
+  the rest to the objects a notebook already has, so they are harmless there, and they make the
+  cell runnable on its own. `__init__` (re-exports only) and `_torch_private` (the register of private
+  APIs, which nothing imports) are not copied.
 
 The script also keeps the chapters' cells tagged `recipe` equal to the package: each function or class
-such a cell defines is rewritten with the package's text of that definition (tests/test_package.py
+such a cell defines is rewritten with the package's text of that definition (its docstring without the
+`Example::` section, which belongs to the package reference) (tests/test_package.py
 fails when the two differ in anything but comments and formatting). The rest of the cell (imports,
 notes between definitions) is the chapter's own.
 
@@ -37,43 +39,57 @@ ROOT = Path(__file__).resolve().parents[1]
 TAG = "shared-"
 # The package the shared cells below come from: the real one, even when `root` is a scratch copy of the book.
 PACKAGE = ROOT / "src" / "torch_func_recipes"
-PACKAGE_MODULES = {"batch": "_batch.py", "layers": "_layers.py", "layer_linear": "_layer_linear.py", "layer_conv": "_layer_conv.py",
-                   "layer_norm": "_layer_norm.py", "layer_embedding": "_layer_embedding.py", "batch_trace": "_trace.py",
-                   "vmap_gaps": "_vmap_gaps.py"}
+# Each module after the modules it imports from (tests/test_shared_code.py checks this against the imports).
+PACKAGE_ORDER = ("_batch", "_layers", "_layer_conv", "_layer_embedding", "_layer_linear", "_layer_norm", "_trace",
+                 "_vmap_gaps", "transforms", "per_sample", "output_jacobians", "ensembles", "curvature", "migration")
+FUTURE = "from __future__ import annotations"
 
 
 def as_cell(module_source: str) -> str:
-    """A package module as notebook code: without its docstring and its relative imports (see the docstring above)."""
+    """A package module as notebook code: without its docstring, its relative imports and its __future__
+    import (see the docstring above)."""
     tree = ast.parse(module_source)
     lines = module_source.splitlines()
     dropped = set()
     for index, node in enumerate(tree.body):
         docstring = index == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
             and isinstance(node.value.value, str)
-        relative = isinstance(node, ast.ImportFrom) and node.level > 0
+        relative = isinstance(node, ast.ImportFrom) and (node.level > 0 or node.module == "__future__")
         if docstring or relative:
             dropped.update(range(node.lineno - 1, node.end_lineno or node.lineno))
     kept = "\n".join(line for number, line in enumerate(lines) if number not in dropped)
     return re.sub(r"\n{4,}", "\n\n\n", kept).strip("\n") + "\n"  # at most two blank lines where lines went
 
 
+def package_cell(package: Path = PACKAGE) -> str:
+    """The whole package as one cell: every module of PACKAGE_ORDER, each under a comment naming its file."""
+    missing = sorted({p.stem for p in package.glob("*.py")} - set(PACKAGE_ORDER) - {"__init__", "_torch_private"})
+    if missing:
+        raise SystemExit(f"scripts/build_shared.py: add {missing} to PACKAGE_ORDER (after the modules they import from)")
+    parts = [f"{FUTURE}\n"]
+    for module in PACKAGE_ORDER:
+        banner = f"# ---- src/torch_func_recipes/{module}.py " + "-" * max(0, 70 - len(module))
+        parts.append(f"{banner}\n\n{as_cell((package / f'{module}.py').read_text())}")
+    return "\n\n".join(parts)
+
+
 def source_path(name: str) -> str:
     """Where shared-<name> comes from, relative to the repository root."""
-    return f"src/torch_func_recipes/{PACKAGE_MODULES[name]}" if name in PACKAGE_MODULES else f"book/_shared/{name}.py"
+    return "src/torch_func_recipes/ (the whole package)" if name == "package" else f"book/_shared/{name}.py"
 
 
 def shared_sources(root: Path = ROOT, package: Path = PACKAGE) -> dict[str, str]:
     """{name: the code of the cells tagged shared-<name>}, from book/_shared/ under root and from the package."""
     sources = {path.stem: path.read_text() for path in sorted((root / "book" / "_shared").glob("*.py"))}
-    for name, module in PACKAGE_MODULES.items():
-        if name in sources:
-            raise SystemExit(f"shared-{name} has two sources: book/_shared/{name}.py and the package's {module}")
-        sources[name] = as_cell((package / module).read_text())
+    if "package" in sources:
+        raise SystemExit("shared-package has two sources: book/_shared/package.py and the package")
+    sources["package"] = package_cell(package)
     return dict(sorted(sources.items()))
 
 
 def cell_text(name: str, source: str) -> str:
-    header = f"# From {source_path(name)} by scripts/build_shared.py: edit that file, not this cell.\n"
+    what = "those files" if name == "package" else "that file"
+    header = f"# From {source_path(name)} by scripts/build_shared.py: edit {what}, not this cell.\n"
     return header + source.rstrip("\n")
 
 
@@ -129,7 +145,7 @@ def sync(root: Path = ROOT, write: bool = True) -> list[str]:
     return rewrite_cells(root, write, wanted)
 
 
-RECIPE_BOX = "08_recipe_box"
+QUOTES = chr(34) * 3
 DEFINITION = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
@@ -139,12 +155,32 @@ def _spans(source: str) -> dict[str, tuple[int, int]]:
             for node in ast.parse(source).body if isinstance(node, DEFINITION)}
 
 
+def without_examples(source: str) -> str:
+    """The source with the `Example::` section of every docstring left out (the section runs to the
+    docstring's closing quotes, which the package writes as three double quotes). A chapter's recipe cell
+    shows the package's definition without it: the example is the package reference's, and a doctest the
+    tests run (tests/test_doctests.py)."""
+    kept, skipping = [], False
+    for line in source.splitlines():
+        if line.strip() == "Example::":
+            skipping = True
+            while kept and not kept[-1].strip():
+                kept.pop()  # the blank line before the section
+            continue
+        if skipping and line.strip().startswith(QUOTES):
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept) + ("\n" if source.endswith("\n") else "")
+
+
 def package_texts(package: Path = PACKAGE) -> dict[str, str]:
-    """{name: source text} of every top-level function and class of the package's modules."""
+    """{name: source text, without docstring examples} of every top-level function and class of the package's modules."""
     texts = {}
     for path in sorted(package.glob("*.py")):
-        lines = path.read_text().splitlines()
-        for name, (first, last) in _spans(path.read_text()).items():
+        source = without_examples(path.read_text())
+        lines = source.splitlines()
+        for name, (first, last) in _spans(source).items():
             texts[name] = "\n".join(lines[first:last])
     return texts
 
@@ -160,7 +196,7 @@ def recipe_cell_source(source: str, texts: dict[str, str]) -> str:
 
 def sync_recipes(root: Path = ROOT, write: bool = True, package: Path = PACKAGE) -> list[str]:
     """Return 'file: cell N (recipe)' for every recipe cell whose definitions differ from the package's text;
-    rewrite them when write is set. The recipe box is generated from the chapters (scripts/build_recipe_box.py)."""
+    rewrite them when write is set."""
     texts = package_texts(package)
 
     def wanted(path, index, cell):
@@ -168,7 +204,7 @@ def sync_recipes(root: Path = ROOT, write: bool = True, package: Path = PACKAGE)
             return None
         return "recipe", recipe_cell_source(cell.source, texts)
 
-    return rewrite_cells(root, write, wanted, skip=(RECIPE_BOX,))
+    return rewrite_cells(root, write, wanted)
 
 
 if __name__ == "__main__":

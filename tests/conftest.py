@@ -54,7 +54,7 @@ def site(tmp_path_factory):
 
 # The pages broken below, and the front page, broken only by the Colab branch of _config.yml.
 BROKEN_PAGES = ["book/00_front_page", "book/01_vmap_basics", "book/02_jacobians_hessians", "book/04_output_jacobians",
-                "book/06_error_gallery", "book/07_compile_with_transforms", "book/08_recipe_box"]
+                "book/05_model_ensembling", "book/06_error_gallery", "book/07_compile_with_transforms"]
 
 # Markdown cells added at the top of a page's notebook (raw HTML passes through MyST to the page).
 BROKEN_MARKDOWN = {
@@ -75,7 +75,7 @@ def _break_outputs(entry, nb):
     if entry == "book/07_compile_with_transforms":  # a plot gone
         for output in next(c for c in code if any("image/png" in o.get("data", {}) for o in c.outputs)).outputs:
             output.get("data", {}).pop("image/png", None)
-    if entry == "book/08_recipe_box":  # an output folded away
+    if entry == "book/05_model_ensembling":  # an output folded away
         next(c for c in code if c.outputs and not c.metadata.get("tags")).metadata["tags"] = ["hide-output"]
 
 
@@ -85,6 +85,7 @@ def broken_site(tmp_path_factory):
     in one way (above), and every Colab button pointing at another branch (_config.yml)."""
     source = tmp_path_factory.mktemp("broken-book")
     shutil.copytree(ROOT / "book", source / "book", ignore=shutil.ignore_patterns("*.md", "_shared"))
+    shutil.copytree(ROOT / "src", source / "src")  # the package reference documents it (autodoc)
     shutil.copy(ROOT / "book" / "01_vmap_basics.ipynb", source / "book" / "99_unlisted.ipynb")  # not in _toc.yml
     shutil.copy(ROOT / "_toc.yml", source / "_toc.yml")
     config = yaml.safe_load((ROOT / "_config.yml").read_text())

@@ -1,7 +1,8 @@
 """The package torch_func_recipes is the chapters' recipes: every function or class a cell tagged
 `recipe` defines is, name for name, the package's definition (compared as syntax trees, so comments
-and formatting may differ, code may not), the package defines nothing the chapters do not, and it
-exports every public recipe."""
+and formatting may differ, code may not; docstrings without their `Example::` section), every definition
+of the package is in some chapter (a `recipe` cell, or the whole package's folded `shared-package` cell,
+which tests/test_shared_code.py keeps identical to the package), and it exports every public recipe."""
 import ast
 import inspect
 import re
@@ -12,9 +13,9 @@ import jupytext
 
 import torch_func_recipes
 from bookcheck import BOOK, ROOT
+from scripts.build_shared import without_examples
 
 PACKAGE = ROOT / "src" / "torch_func_recipes"
-BOX = "08_recipe_box.md"  # generated from the chapters (tests/test_recipe_box.py): not a source
 DEFINITION = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
@@ -22,21 +23,19 @@ def package_definitions(package: Path = PACKAGE) -> dict[str, tuple[str, ast.AST
     """{name: (module file, node)} for every top-level function and class of the package's modules."""
     found: dict[str, tuple[str, ast.AST]] = {}
     for path in sorted(package.glob("*.py")):
-        for node in ast.parse(path.read_text()).body:
+        for node in ast.parse(without_examples(path.read_text())).body:
             if isinstance(node, DEFINITION):
                 assert node.name not in found, f"{node.name} is defined in {found[node.name][0]} and {path.name}"
                 found[node.name] = (path.name, node)
     return found
 
 
-def recipe_definitions(book: Path = BOOK) -> list[tuple[str, ast.AST]]:
-    """('NN_page.md cell K', node) for every top-level function and class of the chapters' recipe cells."""
+def recipe_definitions(book: Path = BOOK, tag: str = "recipe") -> list[tuple[str, ast.AST]]:
+    """('NN_page.md cell K', node) for every top-level function and class of the chapters' cells tagged `tag`."""
     found = []
     for path in sorted(book.glob("*.md")):
-        if path.name == BOX:
-            continue
         for index, cell in enumerate(jupytext.read(path).cells):
-            if cell.cell_type == "code" and "recipe" in cell.metadata.get("tags", []):
+            if cell.cell_type == "code" and tag in cell.metadata.get("tags", []):
                 found += [(f"{path.name} cell {index}", node) for node in ast.parse(cell.source).body
                           if isinstance(node, DEFINITION)]
     return found
@@ -52,6 +51,7 @@ def mismatches(book: Path = BOOK, package: Path = PACKAGE) -> list[str]:
             problems.append(f"{where}: {node.name} is not in the package")
         elif ast.dump(node) != ast.dump(ours[node.name][1]):
             problems.append(f"{where}: {node.name} differs from src/torch_func_recipes/{ours[node.name][0]}")
+    seen |= {node.name for _, node in recipe_definitions(book, "shared-package")}
     problems += [f"src/torch_func_recipes/{module}: {name} is in no recipe cell"
                  for name, (module, _) in ours.items() if name not in seen]
     return problems
@@ -60,11 +60,12 @@ def mismatches(book: Path = BOOK, package: Path = PACKAGE) -> list[str]:
 def test_recipe_cells_and_package_are_identical():
     problems = mismatches()
     assert not problems, "make the chapter and the package say the same:\n" + "\n".join(problems)
-    assert len(recipe_definitions()) >= 60
+    assert len(recipe_definitions()) >= 5 and len(recipe_definitions(tag="shared-package")) >= 60
 
 
 def test_the_package_exports_every_public_recipe():
-    public = sorted({node.name for _, node in recipe_definitions() if not node.name.startswith("_")})
+    shown = recipe_definitions() + recipe_definitions(tag="shared-package")
+    public = sorted({node.name for _, node in shown if not node.name.startswith("_")})
     assert sorted(torch_func_recipes.__all__) == public
     assert all(getattr(torch_func_recipes, name).__name__ == name for name in public)
     version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)

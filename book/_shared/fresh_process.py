@@ -28,7 +28,11 @@ def run_fresh(name, cells, call, *, huge_pages=False):
     header = f"# Written by run_fresh from a notebook's cells; rerun with: python {script}\nimport os\n\n{setting}\n"
     script.parent.mkdir(parents=True, exist_ok=True)
     draft = script.with_name(f"{script.stem}.{os.getpid()}.tmp")  # then renamed: a run elsewhere never reads half a file
-    draft.write_text("\n\n".join([header, *(cell_of(obj) for obj in cells), f"import json\nprint(json.dumps({call}))\n"]))
+    body = "\n\n".join([header, *(cell_of(obj) for obj in cells), f"import json\nprint(json.dumps({call}))\n"])
+    # a cell may start with a __future__ import (the package's does), which Python accepts only at the top of a file
+    future = sorted({line for line in body.splitlines() if line.startswith("from __future__ import ")})
+    body = "\n".join(future + [line for line in body.splitlines() if line not in future]) + "\n"
+    draft.write_text(body)
     os.replace(draft, script)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     if done.returncode != 0:

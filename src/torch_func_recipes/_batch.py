@@ -43,17 +43,20 @@ Also copied, without this docstring, into the notebook cells tagged ``shared-bat
 scripts/build_shared.py: edit it here.
 """
 
+from __future__ import annotations
+
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.nn as nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-# The types of the recipes' public arguments (see the batch convention above).
-_Inputs = torch.Tensor | tuple | list | Mapping[str, Any]  # model(inputs), model(*inputs) or model(**inputs)
+# The types of the recipes' public arguments (see the batch convention above). Union rather than `|` here:
+# the package reference is built with torch mocked (no torch install), and a mocked torch.Tensor has no `|`.
+_Inputs = Union[torch.Tensor, tuple, list, Mapping[str, Any]]  # model(inputs), model(*inputs) or model(**inputs)
 _Unbatched = int | str | tuple | list  # positions or keys of inputs every example receives whole
 _LossFn = Callable[..., torch.Tensor]  # loss_fn(output, targets) or loss_fn(output): a 0-d tensor
 _Grads = dict[str, torch.Tensor]  # {parameter name: tensor}, in named_parameters() order

@@ -7,6 +7,8 @@ copied, without this docstring, into the notebook cells tagged `shared-layer_con
 scripts/build_shared.py: edit it here.
 """
 
+from __future__ import annotations
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

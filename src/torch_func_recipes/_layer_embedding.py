@@ -7,6 +7,8 @@ docstring, into the notebook cells tagged `shared-layer_embedding` by scripts/bu
 edit it here.
 """
 
+from __future__ import annotations
+
 import torch
 import torch.nn as nn
 

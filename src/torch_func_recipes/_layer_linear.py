@@ -6,6 +6,8 @@ _layers; also copied, without this docstring, into the notebook cells tagged `sh
 by scripts/build_shared.py: edit it here.
 """
 
+from __future__ import annotations
+
 import torch
 import torch.nn as nn
 

@@ -6,6 +6,8 @@ without this docstring, into the notebook cells tagged `shared-layer_norm` by
 scripts/build_shared.py: edit it here.
 """
 
+from __future__ import annotations
+
 import math
 
 import torch

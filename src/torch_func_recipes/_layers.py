@@ -14,6 +14,8 @@ instance with _register, and is imported at the end of this file. Also copied, w
 notebook cells tagged `shared-layers` by scripts/build_shared.py: edit it here.
 """
 
+from __future__ import annotations
+
 from typing import Any
 
 import torch

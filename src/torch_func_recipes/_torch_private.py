@@ -29,6 +29,8 @@ Entry fields: `name`, how the test resolves it, by kind:
 why a public API does not do, in one sentence; `public_alternative`: where torch has one, or None.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable
 from typing import NamedTuple
 

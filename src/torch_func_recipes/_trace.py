@@ -6,6 +6,8 @@ path a recipe call took. Also copied, without this docstring, into the notebook 
 `shared-batch_trace` by scripts/build_shared.py: edit it here.
 """
 
+from __future__ import annotations
+
 from typing import NamedTuple
 
 import torch
@@ -22,7 +24,24 @@ class PathReport(NamedTuple):
     """Which path a recipe call took ("fast", "vmap", "unroll", "loop", or "none" for an empty batch), and
     why. per_sample_grad_norms also says how it got each parameter's share of the norms (None elsewhere):
     ghost, weights by pairs of tokens; direct, weights by their per-example product, and biases; streamed,
-    every other parameter, by its per-example gradient."""
+    every other parameter, by its per-example gradient.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import PathReport, per_sample_grad_norms, per_sample_grads
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double(), nn.functional.mse_loss
+        >>> x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+        >>> _, report = per_sample_grads(model, loss_fn, x, y, report=True)
+        >>> isinstance(report, PathReport), report.path
+        (True, 'fast')
+        >>> per_sample_grads(model, loss_fn, x, y, path="loop", report=True)[1]
+        PathReport(path='loop', reason="path='loop' was asked for", ghost=None, direct=None, streamed=None)
+        >>> per_sample_grad_norms(model, loss_fn, x, y, report=True)[1].direct  # the biases' shares, from their per-example products
+        ['0.bias', '2.bias']
+    """
     path: str
     reason: str
     ghost: list | None = None

@@ -7,6 +7,8 @@ raised. Also copied, without this docstring and the relative import, into the no
 `shared-vmap_gaps` by scripts/build_shared.py: edit it here.
 """
 
+from __future__ import annotations
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

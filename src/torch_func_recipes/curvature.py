@@ -5,6 +5,8 @@ Hutchinson's trace and diagonal estimates, Lanczos for the top Hessian eigenvalu
 Gauss-Newton step solved in output space, conjugate gradients and influence scores.
 """
 
+from __future__ import annotations
+
 import numbers
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -103,6 +105,20 @@ def param_hvp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: An
 
     Returns:
         ``{name: tensor shaped like the parameter}``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import param_hvp
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Linear(3, 2, bias=False).double(), nn.functional.cross_entropy
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+        >>> H = torch.autograd.functional.hessian(lambda w: loss_fn(x @ w.T, y), model.weight).reshape(6, 6)
+        >>> v = torch.randn(2, 3, dtype=torch.float64)
+        >>> Hv = param_hvp(model, loss_fn, x, y, {"weight": v})
+        >>> torch.allclose(Hv["weight"], (H @ v.flatten()).view(2, 3))
+        True
     """
     params = _trainable(model, inputs, targets)
     vector = _check_vector(vector, params)
@@ -122,6 +138,20 @@ def ggn_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, 
 
     Returns:
         ``{name: tensor shaped like the parameter}``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import ggn_vp
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Linear(3, 2, bias=False).double(), nn.functional.cross_entropy
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+        >>> H = torch.autograd.functional.hessian(lambda w: loss_fn(x @ w.T, y), model.weight).reshape(6, 6)
+        >>> v = torch.randn(2, 3, dtype=torch.float64)
+        >>> Gv = ggn_vp(model, loss_fn, x, y, {"weight": v})
+        >>> torch.allclose(Gv["weight"], (H @ v.flatten()).view(2, 3))  # G = H: the model is linear in its weight
+        True
     """
     params = _trainable(model, inputs, targets)
     vector = _check_vector(vector, params)
@@ -174,6 +204,21 @@ def empirical_fisher_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], 
 
     Returns:
         ``{name: tensor shaped like the parameter}``. Memory: the B x P per-example gradients.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import empirical_fisher_vp
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Linear(3, 2, bias=False).double(), nn.functional.cross_entropy
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+        >>> H = torch.autograd.functional.hessian(lambda w: loss_fn(x @ w.T, y), model.weight).reshape(6, 6)
+        >>> v = torch.randn(2, 3, dtype=torch.float64)
+        >>> Fv = empirical_fisher_vp(model, loss_fn, x, y, {"weight": v})
+        >>> g = torch.stack([torch.autograd.grad(loss_fn(model(x[n:n + 1]), y[n:n + 1]), model.weight)[0].flatten() for n in range(8)])
+        >>> torch.allclose(Fv["weight"], (g.T @ g @ v.flatten() / 8).view(2, 3))  # F = (1/B) sum_n g_n g_n^T for a mean loss
+        True
     """
     params = _trainable(model, inputs, targets)
     vector = _check_vector(vector, params)
@@ -251,6 +296,21 @@ def ggn_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs:
 
     Returns:
         ``{name: tensor shaped like the parameter}`` (``(B, *shape)`` with ``per_sample=True``).
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import ggn_diagonal
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Linear(3, 2, bias=False).double(), nn.functional.cross_entropy
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+        >>> H = torch.autograd.functional.hessian(lambda w: loss_fn(x @ w.T, y), model.weight).reshape(6, 6)
+        >>> shares = ggn_diagonal(model, loss_fn, x, y, per_sample=True)
+        >>> shares["weight"].shape
+        torch.Size([8, 2, 3])
+        >>> torch.allclose(shares["weight"].sum(0), H.diagonal().view(2, 3))  # G = H: the model is linear in its weight
+        True
     """
     params = _trainable(model, inputs, targets)
     owners = {}  # parameter name -> (the module holding it, its name there)
@@ -361,6 +421,19 @@ def hessian_trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs
 
     Returns:
         A float.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import hessian_trace
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Linear(3, 2, bias=False).double(), nn.functional.cross_entropy
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+        >>> H = torch.autograd.functional.hessian(lambda w: loss_fn(x @ w.T, y), model.weight).reshape(6, 6)
+        >>> estimate = hessian_trace(model, loss_fn, x, y, samples=2000, generator=torch.Generator().manual_seed(0))
+        >>> isinstance(estimate, float), abs(estimate - H.trace().item()) < 0.05 * H.trace().item()
+        (True, True)
     """
     probes, products = _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size)
     return sum((probes[n] * products[n]).flatten(1).sum(dim=1) for n in probes).mean().item()
@@ -377,6 +450,20 @@ def hessian_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inp
 
     Returns:
         ``{name: tensor shaped like the parameter}``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import hessian_diagonal
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Linear(3, 2, bias=False).double(), nn.functional.cross_entropy
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+        >>> H = torch.autograd.functional.hessian(lambda w: loss_fn(x @ w.T, y), model.weight).reshape(6, 6)
+        >>> estimate = hessian_diagonal(model, loss_fn, x, y, samples=2000, generator=torch.Generator().manual_seed(0))
+        >>> exact = H.diagonal().view(2, 3)
+        >>> estimate["weight"].shape, bool((estimate["weight"] - exact).abs().max() < 0.1 * exact.abs().max())
+        (torch.Size([2, 3]), True)
     """
     probes, products = _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size)
     return {n: (probes[n] * products[n]).mean(dim=0) for n in probes}
@@ -398,6 +485,19 @@ def top_hessian_eigenvalues(model: nn.Module, loss_fn: Callable[..., torch.Tenso
 
     Returns:
         A 1-d tensor of k eigenvalues. Memory: ``iterations`` vectors of P numbers.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import top_hessian_eigenvalues
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Linear(3, 2, bias=False).double(), nn.functional.cross_entropy
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+        >>> H = torch.autograd.functional.hessian(lambda w: loss_fn(x @ w.T, y), model.weight).reshape(6, 6)
+        >>> top = top_hessian_eigenvalues(model, loss_fn, x, y, k=2, generator=torch.Generator().manual_seed(0))
+        >>> top.shape, torch.allclose(top, torch.linalg.eigvalsh(H).flip(0)[:2])  # iterations = P = 6 here: exact
+        (torch.Size([2]), True)
     """
     params = _trainable(model, inputs, targets)
     total = sum(p.numel() for p in params.values())
@@ -446,10 +546,25 @@ def gauss_newton_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], in
 
     Args:
         model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
-        damping (float): the damping, non-negative.
+        damping (float): the damping, positive.
 
     Returns:
         ``{name: tensor shaped like the parameter}``. Memory: the (B*Y, P) Jacobian.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import gauss_newton_step
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Linear(3, 2, bias=False).double(), nn.functional.cross_entropy
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+        >>> H = torch.autograd.functional.hessian(lambda w: loss_fn(x @ w.T, y), model.weight).reshape(6, 6)
+        >>> step = gauss_newton_step(model, loss_fn, x, y, damping=0.1)
+        >>> g = torch.autograd.grad(loss_fn(model(x), y), model.weight)[0].flatten()
+        >>> expected = -torch.linalg.solve(H + 0.1 * torch.eye(6, dtype=torch.float64), g)  # G = H for this model
+        >>> torch.allclose(step["weight"], expected.view(2, 3))
+        True
     """
     if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or damping <= 0:
         raise ValueError(f"damping must be a positive number, got {damping!r}")
@@ -475,13 +590,29 @@ def conjugate_gradient(matvec: Callable[[torch.Tensor], torch.Tensor], b: torch.
         matvec (Callable): ``x -> A x`` on flat vectors.
         b (Tensor): the right-hand side, a flat vector.
         tol (float): stop at a relative residual ``|b - A x| <= tol |b|``.
-        max_iterations (int, optional): at most this many iterations (default: the length of b).
+        max_iterations (int, optional): at most this many iterations (default, and when 0: ten times the
+            length of b, since rounding can slow convergence past the length that exact arithmetic needs).
 
     Returns:
         x, shaped like b.
 
     Raises:
         ValueError: if A shows a direction of non-positive curvature.
+        RuntimeError: if the residual is still above ``tol`` after ``max_iterations``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch_func_recipes import conjugate_gradient
+        >>> _ = torch.manual_seed(0)
+        >>> M = torch.randn(5, 5, dtype=torch.float64)
+        >>> A, b = M @ M.T + torch.eye(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+        >>> torch.allclose(conjugate_gradient(lambda v: A @ v, b), torch.linalg.solve(A, b))
+        True
+        >>> conjugate_gradient(lambda v: -v, b)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        ValueError: conjugate gradients met non-positive curvature ...
     """
     x, r, p = torch.zeros_like(b), b.clone(), b.clone()
     rr, target, limit = torch.dot(b, b), (tol * b.norm()) ** 2, max_iterations or 10 * b.numel()
@@ -519,6 +650,22 @@ def influence_scores(model: nn.Module, loss_fn: Callable[..., torch.Tensor], tra
 
     Returns:
         A (N,) tensor. Memory: the N x P per-example gradients.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import influence_scores
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Linear(3, 2, bias=False).double(), nn.functional.cross_entropy
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+        >>> H = torch.autograd.functional.hessian(lambda w: loss_fn(x @ w.T, y), model.weight).reshape(6, 6)
+        >>> x_test, y_test = torch.randn(3, 3, dtype=torch.float64), torch.tensor([1, 0, 1])
+        >>> scores = influence_scores(model, loss_fn, x, y, x_test, y_test, damping=0.1)
+        >>> g_test = torch.autograd.grad(loss_fn(model(x_test), y_test), model.weight)[0].flatten()
+        >>> g = torch.stack([torch.autograd.grad(loss_fn(model(x[n:n + 1]), y[n:n + 1]), model.weight)[0].flatten() for n in range(8)])
+        >>> scores.shape, torch.allclose(scores, g @ torch.linalg.solve(H + 0.1 * torch.eye(6, dtype=torch.float64), g_test) / 8)
+        (torch.Size([8]), True)
     """
     if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or damping < 0:
         raise ValueError(f"damping must be a non-negative number, got {damping!r}")

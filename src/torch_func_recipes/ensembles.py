@@ -1,5 +1,7 @@
 """Chapter 5: stack_models, M models of one architecture run as one vmapped function."""
 
+from __future__ import annotations
+
 import copy
 from collections.abc import Callable, Iterable
 
@@ -22,6 +24,21 @@ def stack_models(models: Iterable[nn.Module]) -> tuple[Callable[..., torch.Tenso
         ``(forward, params, buffers)``: params and buffers hold every tensor with a leading dimension M, and
         ``forward(params, buffers, x)`` runs all M models on one input x; with ``per_model_batches=True``, x
         is (M, B, ...) and model i sees ``x[i]``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import stack_models
+        >>> _ = torch.manual_seed(0)
+        >>> models = [nn.Linear(3, 2).double() for _ in range(5)]
+        >>> forward, params, buffers = stack_models(models)
+        >>> params["weight"].shape  # (M, *weight.shape)
+        torch.Size([5, 2, 3])
+        >>> x = torch.randn(4, 3, dtype=torch.float64)
+        >>> out = forward(params, buffers, x)  # every model on the same x
+        >>> out.shape, torch.allclose(out, torch.stack([m(x) for m in models]))
+        (torch.Size([5, 4, 2]), True)
     """
     models = list(models)
     if not models or not all(isinstance(m, nn.Module) for m in models):

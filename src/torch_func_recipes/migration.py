@@ -1,5 +1,7 @@
 """Chapter 12: named_like_parameters, from functorch's tuple of tensors to the dict torch.func uses."""
 
+from __future__ import annotations
+
 from collections.abc import Sequence
 
 import torch
@@ -18,6 +20,23 @@ def named_like_parameters(model: nn.Module, tensors: Sequence[torch.Tensor]) -> 
 
     Raises:
         ValueError: if the count or any shape differs (a shifted tuple would be matched to the wrong parameters).
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import named_like_parameters
+        >>> model, x = nn.Linear(3, 2).double(), torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64)
+        >>> grads = torch.autograd.grad(model(x).sum(), tuple(model.parameters()))  # functorch's style: a tuple
+        >>> named = named_like_parameters(model, grads)
+        >>> {name: tuple(g.shape) for name, g in named.items()}
+        {'weight': (2, 3), 'bias': (2,)}
+        >>> torch.equal(named["weight"], x.expand(2, 3)), torch.equal(named["bias"], torch.ones(2, dtype=torch.float64))
+        (True, True)
+        >>> named_like_parameters(model, grads[::-1])  # a tuple in the wrong order is refused
+        Traceback (most recent call last):
+            ...
+        ValueError: tensor for weight has shape (2,), the parameter has (2, 3)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"named_like_parameters needs an nn.Module, got {type(model).__name__}")

@@ -1,5 +1,7 @@
 """Chapter 4: output_jacobian (B, Y, P), split_by_parameter and the empirical NTK."""
 
+from __future__ import annotations
+
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +39,20 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
     Returns:
         The (B, Y, P) tensor (B x Y x P numbers), with ``report=True`` a pair ``(jacobian, PathReport)``. An
         empty batch gives a (0, Y, P) tensor, Y read from the model's output on it.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import output_jacobian
+        >>> _ = torch.manual_seed(0)
+        >>> model, x = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double(), torch.randn(5, 3, dtype=torch.float64)
+        >>> J = output_jacobian(model, x)
+        >>> J.shape  # (B, Y, P), P = 3 * 4 + 4 + 4 * 2 + 2
+        torch.Size([5, 2, 26])
+        >>> rows = [torch.autograd.grad(model(x[b:b + 1])[0, i], list(model.parameters())) for b in range(5) for i in range(2)]
+        >>> torch.allclose(J, torch.stack([torch.cat([g.flatten() for g in row]) for row in rows]).reshape(5, 2, 26))
+        True
     """
     trainable = _check_model(model)
     batch = _as_batch(inputs, None, unbatched, keyword_inputs)
@@ -162,6 +178,19 @@ def split_by_parameter(jacobian: torch.Tensor, model: nn.Module) -> dict[str, to
 
     Returns:
         ``{name: (B, Y, *param.shape)}``, views (no copy).
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import output_jacobian, split_by_parameter
+        >>> _ = torch.manual_seed(0)
+        >>> model, x = nn.Linear(3, 2).double(), torch.randn(4, 3, dtype=torch.float64)
+        >>> blocks = split_by_parameter(output_jacobian(model, x), model)
+        >>> {name: tuple(block.shape) for name, block in blocks.items()}
+        {'weight': (4, 2, 2, 3), 'bias': (4, 2, 2)}
+        >>> torch.equal(blocks["weight"][:, 1, 1], x), torch.equal(blocks["weight"][:, 1, 0], torch.zeros_like(x))  # d out_1 / d W_1k = x_k
+        (True, True)
     """
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     total = sum(p.numel() for _, p in params)
@@ -187,6 +216,21 @@ def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor) -> torch
 
     Returns:
         A (N1, N2, Y, Y) tensor.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import empirical_ntk
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Linear(3, 2).double()
+        >>> x1, x2 = torch.randn(4, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+        >>> K = empirical_ntk(model, x1, x2)
+        >>> K.shape
+        torch.Size([4, 5, 2, 2])
+        >>> # d out_i / d (W, b) is (e_i x^T, e_i), so J1 J2^T is (x1 . x2 + 1) times the identity in (i, j)
+        >>> torch.allclose(K, (x1 @ x2.T + 1)[:, :, None, None] * torch.eye(2, dtype=torch.float64))
+        True
     """
     for name, x in (("x1", x1), ("x2", x2)):
         if not isinstance(x, torch.Tensor) or x.dim() < 2:

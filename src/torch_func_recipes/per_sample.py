@@ -5,6 +5,8 @@ or the loop) and clip_and_noise. Chapter 11: per_sample_grad_norms (the norms wi
 gradients) and clipped_noisy_gradient (the DP-SGD step from those norms).
 """
 
+from __future__ import annotations
+
 from typing import Any, cast
 
 import torch
@@ -57,6 +59,21 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
 
     Raises:
         ValueError, TypeError: for the cases in ``_batch``'s table (an empty batch gives empty results).
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import per_sample_grads
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Linear(3, 2).double(), nn.functional.mse_loss
+        >>> x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+        >>> grads = per_sample_grads(model, loss_fn, x, y)
+        >>> grads["weight"].shape  # (B, *weight.shape)
+        torch.Size([4, 2, 3])
+        >>> loop = [torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), model.weight)[0] for i in range(4)]
+        >>> torch.allclose(grads["weight"], torch.stack(loop))
+        True
     """
     trainable = _check_model(model)
     batch = _as_batch(inputs, targets, unbatched, keyword_inputs)
@@ -152,6 +169,21 @@ def clip_and_noise(per_sample: _Grads, max_norm: float, noise_multiplier: float,
 
     Returns:
         ``{name: tensor of shape *shape}``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch_func_recipes import clip_and_noise
+        >>> _ = torch.manual_seed(0)
+        >>> per_sample = {"weight": torch.randn(4, 2, 3, dtype=torch.float64), "bias": torch.randn(4, 2, dtype=torch.float64)}
+        >>> norms = torch.cat([per_sample["weight"].flatten(1), per_sample["bias"]], dim=1).norm(dim=1)  # each example's whole gradient
+        >>> scale = (0.5 / (norms + 1e-6)).clamp(max=1)  # clipped to norm 0.5
+        >>> step = clip_and_noise(per_sample, max_norm=0.5, noise_multiplier=0.0)  # no noise: the clipped mean
+        >>> torch.allclose(step["weight"], (scale[:, None, None] * per_sample["weight"]).sum(0) / 4)
+        True
+        >>> noisy = [clip_and_noise(per_sample, 0.5, 1.1, torch.Generator().manual_seed(7))["bias"] for _ in range(2)]
+        >>> torch.equal(*noisy), noisy[0].shape  # one seed, one step
+        (True, torch.Size([2]))
     """
     if not isinstance(per_sample, dict) or not per_sample:
         raise ValueError("per_sample must be a non-empty dict {name: tensor (B, *shape)}")
@@ -191,6 +223,17 @@ def noised_mean(clipped_sum: _Grads, *, max_norm: float, noise_multiplier: float
 
     Returns:
         ``{name: tensor}`` shaped like ``clipped_sum``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch_func_recipes import noised_mean
+        >>> clipped_sum = {"weight": torch.ones(2, 3, dtype=torch.float64)}
+        >>> step = noised_mean(clipped_sum, max_norm=0.5, noise_multiplier=2.0, expected_batch_size=8,
+        ...                    generator=torch.Generator().manual_seed(0))
+        >>> noise = torch.randn(2, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        >>> torch.allclose(step["weight"], (clipped_sum["weight"] + 2.0 * 0.5 * noise) / 8)
+        True
     """
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
@@ -261,6 +304,21 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
 
     Returns:
         A (B,) tensor, with ``report=True`` a pair ``(norms, PathReport)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import per_sample_grad_norms
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double(), nn.functional.mse_loss
+        >>> x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+        >>> norms = per_sample_grad_norms(model, loss_fn, x, y)
+        >>> norms.shape
+        torch.Size([5])
+        >>> each = [torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), list(model.parameters())) for i in range(5)]
+        >>> torch.allclose(norms, torch.stack([torch.cat([g.flatten() for g in grads]).norm() for grads in each]))
+        True
     """
     trainable = _check_model(model)
     batch = _as_batch(inputs, targets, unbatched, keyword_inputs)
@@ -422,7 +480,7 @@ def clipped_noisy_gradient(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs |
                            expected_batch_size: int | float | None = None, norms: torch.Tensor | None = None,
                            unbatched: _Unbatched = (), chunk_size: int | None = None, path: str = "auto",
                            report: bool = False, **keyword_inputs: Any) -> _Grads | tuple[_Grads, PathReport]:
-    r"""One DP-SGD step's gradient in one call, without any (B, *shape) tensor:
+    r"""One DP-SGD step's gradient in one call, without any ``(B, *shape)`` tensor:
     ``(sum_i min(1, max_norm / (n_i + 1e-6)) * g_i + N(0, (noise_multiplier * max_norm)^2)) / B``,
     the arithmetic of Chapter 3's :func:`clip_and_noise`.
 
@@ -441,6 +499,20 @@ def clipped_noisy_gradient(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs |
 
     Returns:
         ``{name: tensor shaped like the parameter}``, with ``report=True`` a pair ``(gradient, PathReport)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import clipped_grad_sum, clipped_noisy_gradient
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Linear(3, 2).double(), nn.functional.mse_loss
+        >>> x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+        >>> step = clipped_noisy_gradient(model, loss_fn, x, y, max_norm=0.1, noise_multiplier=1.0, generator=torch.Generator().manual_seed(0))
+        >>> total = clipped_grad_sum(model, loss_fn, x, y, max_norm=0.1)
+        >>> noise = torch.randn(2, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)  # drawn for weight first
+        >>> torch.allclose(step["weight"], (total["weight"] + 1.0 * 0.1 * noise) / 4)
+        True
     """
     batch = _as_batch(inputs, targets, unbatched, keyword_inputs)
     divisor = len(batch) if expected_batch_size is None else expected_batch_size
@@ -459,7 +531,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
     r"""``sum_i min(1, max_norm / (n_i + 1e-6)) * g_i``: the examples' gradients, each clipped to norm
     ``max_norm``, summed, without noise (the part of a DP-SGD step that micro-batches add up).
 
-    One backward pass of the reweighted loss ``sum_i min(1, max_norm / n_i) * loss_i``, so no (B, *shape)
+    One backward pass of the reweighted loss ``sum_i min(1, max_norm / n_i) * loss_i``, so no ``(B, *shape)``
     tensor is held: from the batched forward pass where a trace shows it exact (``"fast"``), else from
     ``vmap``'s (``"vmap"``, ``"unroll"``), else from one forward pass per example (``"loop"``).
 
@@ -472,6 +544,20 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
 
     Returns:
         ``{name: tensor shaped like the parameter}``, with ``report=True`` a pair ``(sum, PathReport)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import clipped_grad_sum
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Linear(3, 2).double(), nn.functional.mse_loss
+        >>> x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+        >>> total = clipped_grad_sum(model, loss_fn, x, y, max_norm=0.1)
+        >>> each = [torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), [model.weight, model.bias]) for i in range(4)]
+        >>> scale = [(0.1 / (torch.cat([w.flatten(), b]).norm() + 1e-6)).clamp(max=1) for w, b in each]
+        >>> torch.allclose(total["weight"], sum(s * w for s, (w, _) in zip(scale, each)))
+        True
     """
     trainable = _check_model(model)
     batch = _as_batch(inputs, targets, unbatched, keyword_inputs)

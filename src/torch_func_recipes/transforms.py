@@ -1,5 +1,7 @@
 """Chapters 1 and 2: pairwise (vmap of vmap), jacobian_via_vjp (vmap over vjp) and hvp (forward-over-reverse)."""
 
+from __future__ import annotations
+
 import numbers
 from collections.abc import Callable
 
@@ -15,6 +17,18 @@ def pairwise(f: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Te
 
     Returns:
         A function with ``pairwise(f)(A, B)[i, j] == f(A[i], B[j])``, of shape ``(len(A), len(B), *f(a, b).shape)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch_func_recipes import pairwise
+        >>> _ = torch.manual_seed(0)
+        >>> A, B = torch.randn(4, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+        >>> distances = pairwise(lambda a, b: (a - b).norm())(A, B)  # distances[i, j] = |A[i] - B[j]|
+        >>> distances.shape
+        torch.Size([4, 5])
+        >>> torch.allclose(distances, torch.cdist(A, B))
+        True
     """
     if not callable(f):
         raise TypeError(f"pairwise expects a function of two examples, got {type(f).__name__}")
@@ -35,6 +49,19 @@ def jacobian_via_vjp(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
 
     Returns:
         The Jacobian, of shape ``f(x).shape + x.shape``, like ``torch.func.jacrev(f)(x)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch_func_recipes import jacobian_via_vjp
+        >>> _ = torch.manual_seed(0)
+        >>> x = torch.randn(2, 3, dtype=torch.float64)
+        >>> f = lambda x: x.sin().sum(dim=0) * x.norm()
+        >>> J = jacobian_via_vjp(f, x, chunk_size=2)  # f(x).shape + x.shape
+        >>> J.shape
+        torch.Size([3, 2, 3])
+        >>> torch.allclose(J, torch.autograd.functional.jacobian(f, x))
+        True
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError("jacobian_via_vjp needs x to be a real floating-point tensor, got "
@@ -72,6 +99,17 @@ def hvp(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, v: torch.Ten
 
     Returns:
         A tensor of x's shape.
+
+    Example::
+
+        >>> import torch
+        >>> from torch_func_recipes import hvp
+        >>> _ = torch.manual_seed(0)
+        >>> x, v = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+        >>> f = lambda x: x.sin().sum() * x.square().sum()
+        >>> H = torch.autograd.functional.hessian(f, x)  # the 4 x 4 matrix hvp never builds
+        >>> torch.allclose(hvp(f, x, v), H @ v)
+        True
     """
     if not isinstance(x, torch.Tensor) or not isinstance(v, torch.Tensor):
         raise TypeError("hvp needs x and v to be tensors")
