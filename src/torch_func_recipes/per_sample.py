@@ -15,7 +15,17 @@ import torch.nn.functional as F
 from torch.func import grad, vmap
 from torch.overrides import TorchFunctionMode
 
-from ._batch import _as_batch, _check_chunk_size, _check_model, _Grads, _Inputs, _LossFn, _scalar_loss, _Unbatched
+from ._batch import (
+    _RANDOM_IN_TRAINING,
+    _as_batch,
+    _check_chunk_size,
+    _check_model,
+    _Grads,
+    _Inputs,
+    _LossFn,
+    _scalar_loss,
+    _Unbatched,
+)
 from ._layers import _rule_named
 from ._trace import PathReport, _check_path, _fast_path_screen, _losses_of_each, _traced_forward
 from ._vmap_gaps import _with_fallbacks
@@ -333,7 +343,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
         if reason is None:
             found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size)
             if found is not None:
-                squares, ghost, direct = found
+                squares, ghost, direct, _ = found
                 why = "a trace of the forward pass showed every operation keeps the examples apart"
                 norms = squares.clamp(min=0).sqrt()
                 return (norms, PathReport("fast", why, ghost, direct, [])) if report else norms
@@ -378,19 +388,22 @@ def _lowest_layers(layers):
     return lowest
 
 
-def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size):
+def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=None):
     """On the batched forward and backward pass, where a trace shows each example's rows stay its own:
-    ((B,) squared norms, ghost names, direct names), or None and the reason it does not apply. Each
-    layer's output gradient is reduced to its share of the norms by a hook as soon as the backward pass
-    reaches it, so they are never all held at once."""
+    ((B,) squared norms, ghost names, direct names, clipped sum or None), or None and the reason it does
+    not apply. Each layer's output gradient is reduced to its share of the norms by a hook as soon as the
+    backward pass reaches it, so they are never all held at once. With max_norm, a second backward pass
+    of the same forward pass (so the same dropout masks) gives sum_i min(1, max_norm / n_i) g_i."""
     squares, how = [], {}
+    clipped: list[torch.Tensor | None] | None = None if max_norm is None else [None] * len(trainable)
     step = chunk_size or len(batch)
     for start in range(0, len(batch), step):
         part = batch.rows(slice(start, start + step))
         output, layers, reason = _traced_forward(model, part, trainable, "norms")
         if reason is not None:
             return None, reason
-        total = _losses_of_each(loss_fn, output, part).sum()
+        losses = _losses_of_each(loss_fn, output, part)
+        total = losses.sum()
         chunk, done = output.new_zeros(len(part), dtype=next(iter(trainable.values())).dtype), set()
 
         def take(k, g):
@@ -403,7 +416,8 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size):
         handles = [layer["z"].register_hook(lambda g, k=k: take(k, g)) for k, layer in enumerate(layers)
                    if k not in lowest and layer["z"].grad_fn is not None]
         try:
-            deltas = torch.autograd.grad(total, [layers[k]["z"] for k in lowest], allow_unused=True) if lowest else []
+            deltas = torch.autograd.grad(total, [layers[k]["z"] for k in lowest], allow_unused=True,
+                                         retain_graph=clipped is not None) if lowest else []
         finally:
             for handle in handles:
                 handle.remove()
@@ -413,8 +427,15 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size):
             take(k, torch.zeros_like(layers[k]["z"]))
         del output, layers, deltas
         squares.append(chunk)
+        if clipped is not None and total.requires_grad:  # the reweighted loss, on the same forward pass
+            weights = (max_norm / (chunk.clamp(min=0).sqrt() + 1e-6)).clamp(max=1.0).to(losses.dtype)
+            grads = torch.autograd.grad((weights * losses).sum(), list(trainable.values()), allow_unused=True)
+            clipped = [g if c is None else (c if g is None else c + g) for c, g in zip(clipped, grads)]
+        del losses, total
+    result = None if clipped is None else {name: torch.zeros_like(p) if g is None else g
+                                           for (name, p), g in zip(trainable.items(), clipped)}
     return (torch.cat(squares), sorted(n for n, k in how.items() if k == "ghost"),
-            sorted(n for n, k in how.items() if k == "direct")), None
+            sorted(n for n, k in how.items() if k == "direct"), result), None
 
 
 def _squared_norms_by_vmap(model, loss_fn, batch, layers, streamed, chunk_size):
@@ -484,9 +505,10 @@ def clipped_noisy_gradient(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs |
     ``(sum_i min(1, max_norm / (n_i + 1e-6)) * g_i + N(0, (noise_multiplier * max_norm)^2)) / B``,
     the arithmetic of Chapter 3's :func:`clip_and_noise`.
 
-    The norms ``n_i`` come from :func:`per_sample_grad_norms` (or ``norms``), the clipped sum from one
-    backward pass of the reweighted loss (:func:`clipped_grad_sum`), then the noise (:func:`noised_mean`).
-    To accumulate micro-batches, add up :func:`clipped_grad_sum` over them and call :func:`noised_mean` once.
+    The clipped sum is :func:`clipped_grad_sum`'s (each example's norm and gradient from the same forward
+    pass, so dropout's masks agree and each example adds at most ``max_norm``), then the noise
+    (:func:`noised_mean`). To accumulate micro-batches, add up :func:`clipped_grad_sum` over them and call
+    :func:`noised_mean` once. Memory: as :func:`clipped_grad_sum`.
 
     Args:
         model, loss_fn, inputs, targets, unbatched, chunk_size, path, keyword_inputs: as in :func:`per_sample_grad_norms`.
@@ -531,15 +553,22 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
     r"""``sum_i min(1, max_norm / (n_i + 1e-6)) * g_i``: the examples' gradients, each clipped to norm
     ``max_norm``, summed, without noise (the part of a DP-SGD step that micro-batches add up).
 
-    One backward pass of the reweighted loss ``sum_i min(1, max_norm / n_i) * loss_i``, so no ``(B, *shape)``
-    tensor is held: from the batched forward pass where a trace shows it exact (``"fast"``), else from
-    ``vmap``'s (``"vmap"``, ``"unroll"``), else from one forward pass per example (``"loop"``).
+    Each example's norm ``n_i`` and gradient ``g_i`` come from the same forward pass, so a model that is
+    random in training mode (dropout) uses the same masks in both, and each example's contribution has norm
+    at most ``max_norm``. Where a trace shows it exact (``"fast"``): per chunk, one batched forward pass and
+    two backward passes, the norms' and that of the reweighted loss ``sum_i min(1, max_norm / n_i) * loss_i``,
+    with no ``(B, *shape)`` tensor. Elsewhere (``"vmap"``, ``"unroll"``, else ``"loop"``, one example at a
+    time) each chunk's per-example gradients are clipped and summed: memory ``chunk_size`` examples'
+    gradients, the whole batch's when ``chunk_size`` is None. With ``norms`` given, one backward pass of the
+    reweighted loss on a new forward pass (``"vmap"`` and ``"loop"`` as above, without chunks): pass
+    ``norms`` only for a model without randomness, whose forward passes agree.
 
     Args:
         model, loss_fn, inputs, targets, unbatched, chunk_size, path, keyword_inputs: as in :func:`per_sample_grad_norms`.
         max_norm (float): the clipping norm C.
         norms (Tensor, optional): each example's gradient norm, a (B,) tensor from
-            :func:`per_sample_grad_norms` on the same model and batch; computed here when None.
+            :func:`per_sample_grad_norms` on the same model and batch, for a model without randomness;
+            computed here, on the same forward pass as the sum, when None.
         report (bool): also return a :class:`PathReport`.
 
     Returns:
@@ -565,17 +594,23 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
     _check_path(path)
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
-    if norms is None:
-        norms = cast(torch.Tensor, per_sample_grad_norms(model, loss_fn, inputs, targets, unbatched=unbatched,
-                                                         chunk_size=chunk_size, path=path, **keyword_inputs))
-    if not isinstance(norms, torch.Tensor) or norms.shape != (len(batch),):
+    if norms is not None and (not isinstance(norms, torch.Tensor) or norms.shape != (len(batch),)):
         raise ValueError(f"norms must be a ({len(batch)},) tensor, one norm per example")
+    random = [(name or "the model", m) for name, m in model.named_modules()
+              if isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0]  # Dropout(p=0) draws nothing
+    if norms is not None and random:
+        raise ValueError(f"norms were given, but {random[0][0]} ({type(random[0][1]).__name__}) is random in training "
+                         "mode: norms from another forward pass do not match this pass's random draws, and the clipping "
+                         "bound could break; leave norms=None to get both from one forward pass")
     with torch.inference_mode(False), torch.enable_grad():
         batch = batch.usable_outside_inference_mode()
-        weights = (max_norm / (norms.detach().clone() + 1e-6)).clamp(max=1.0)  # clone: norms made under inference_mode
         if len(batch) == 0:
             zeros = {name: torch.zeros_like(p) for name, p in trainable.items()}
             return (zeros, PathReport("none", "the batch is empty")) if report else zeros
+        if norms is None:  # norms and sum from one forward pass per example: the same dropout masks in both
+            result, how = _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size, path)
+            return (result, how) if report else result
+        weights = (max_norm / (norms.detach().clone() + 1e-6)).clamp(max=1.0)  # clone: norms made under inference_mode
         output = None
         reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(
             model, trainable, "norms")
@@ -591,6 +626,43 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             grads, how = _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason)
     result = {name: (torch.zeros_like(p) if g is None else g) for (name, p), g in zip(trainable.items(), grads)}
     return (result, how) if report else result
+
+
+def _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size, path):
+    """sum_i min(1, max_norm / (n_i + 1e-6)) g_i and its PathReport, each example's norm n_i and gradient g_i
+    from the same forward pass (so the same dropout masks, and the clipping bound holds): on the fast path,
+    two backward passes of one batched forward pass per chunk; elsewhere, each chunk's per-example gradients
+    (vmap, with recurrent layers unrolled; where that raised, one example at a time), clipped and summed."""
+    reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable, "norms")
+    if reason is None:
+        found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm)
+        if found is not None:
+            return found[3], PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
+    if path == "fast":
+        raise ValueError(f"the fast path does not apply: {reason}")
+
+    def clip_and_add(total, grads):  # grads: {name: (n, *shape)}, n examples' gradients
+        squares = sum(g.reshape(len(g), -1).square().sum(1) for g in grads.values())
+        weights = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        return {name: total[name] + torch.tensordot(weights, g, dims=1) for name, g in grads.items()}
+
+    def run_vmap(module):  # the model, or the unroll's stand-in for it: chunk_size examples' gradients at a time
+        total = {name: torch.zeros_like(p) for name, p in trainable.items()}
+        step = chunk_size or len(batch)
+        for start in range(0, len(batch), step):
+            total = clip_and_add(total, _vmap_grad(module, trainable, loss_fn, batch.rows(slice(start, start + step)), None))
+        return total
+
+    def run_loop():
+        total = {name: torch.zeros_like(p) for name, p in trainable.items()}
+        for n in range(len(batch)):
+            one = batch.example(n)
+            grads = torch.autograd.grad(_scalar_loss(one.loss(loss_fn, one.call(model))), list(trainable.values()), allow_unused=True)
+            total = clip_and_add(total, {name: (torch.zeros_like(p) if g is None else g)[None]
+                                         for (name, p), g in zip(trainable.items(), grads)})
+        return total
+
+    return _with_fallbacks(model, path, run_vmap, run_loop, reason)
 
 
 def _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason):
