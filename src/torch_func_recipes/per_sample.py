@@ -313,7 +313,11 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
             found (its ``ghost``, ``direct`` and ``streamed`` lists).
 
     Returns:
-        A (B,) tensor, with ``report=True`` a pair ``(norms, PathReport)``.
+        A (B,) tensor without autograd graph, with ``report=True`` a pair ``(norms, PathReport)``. Memory beyond
+        the model's own forward and backward pass: on the fast path, each layer's share reduced as the backward
+        pass reaches it (per chunk of ``chunk_size`` examples); elsewhere, ``chunk_size`` examples' gradients of
+        the streamed parameters and their intermediates, the whole batch's when ``chunk_size`` is None
+        (``tests/test_norms_memory.py`` measures it).
 
     Example::
 
@@ -439,7 +443,12 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
 
 
 def _squared_norms_by_vmap(model, loss_fn, batch, layers, streamed, chunk_size):
+    """(B,) squared norms, ghost names, direct names, under vmap: the streamed parameters' per-example
+    gradients, and each covered layer's share from its input and the gradient of a zero probe added to its
+    output. Every parameter enters detached (the covered ones as constants), so no autograd graph outlives a
+    chunk: memory is one chunk's per-example gradients and intermediates."""
     rest = {n: p.detach() for n, p in model.named_parameters() if n in streamed}
+    fixed = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad and n not in streamed}
 
     def loss_of_one(rest, probes, one):
         captured, handles = [], []
@@ -449,7 +458,7 @@ def _squared_norms_by_vmap(model, loss_fn, batch, layers, streamed, chunk_size):
                 return z + probe  # d loss / d probe is d loss / d z
             handles.append(module.register_forward_hook(hook))
         try:
-            loss = _scalar_loss(one.loss(loss_fn, one.call(model, rest)))
+            loss = _scalar_loss(one.loss(loss_fn, one.call(model, {**fixed, **rest})))
         finally:
             for handle in handles:
                 handle.remove()
