@@ -26,6 +26,7 @@ import platform
 import re
 import subprocess
 import sys
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -57,9 +58,13 @@ def read(lock: Path = LOCK) -> dict[str, str]:
 
 
 def installed() -> dict[str, str]:
-    """This interpreter's environment as {canonical name: version}, torch's family and our package aside."""
+    """This interpreter's environment as {canonical name: version}, torch's family and our package aside.
+    Only its install directories are read, not all of sys.path: importing setuptools (torch.utils.benchmark
+    does, through cpp_extension) appends setuptools/_vendor to sys.path, whose vendored copies are no
+    installed packages."""
     found = {}
-    for dist in metadata.distributions():
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    for dist in metadata.distributions(path=paths):
         name = dist.metadata["Name"]
         if name and locked(name):
             found[canonical(name)] = dist.version

@@ -53,13 +53,14 @@ def tied():
     return model
 
 
-# name: (model, path the recipes must take); inputs (6, 6) unless the model is a CNN or the MLP on images
+# name: (model, path the recipes must take, or "refused" for a model that mixes the examples of a batch, where no
+# example has a gradient of its own); inputs (6, 6) unless the model is a CNN or the MLP on images
 CASES = {
     "seed CNN as a class": (SeedCNN(), "fast"),
     "seed MLP as a class": (net(lambda m, x: m.b(F.relu(m.a(x.view(x.shape[0], -1)))), inputs=16), "fast"),
-    "softmax over the batch by dim=-2": (nn.Sequential(*mlp(), nn.LogSoftmax(dim=-2)), "vmap"),
-    "h - h.mean(0)": (mixing(lambda h: h - h.mean(0)), "vmap"),
-    "batch statistics by hand": (mixing(lambda h: (h - h.mean(0)) * torch.rsqrt(h.pow(2).mean(0) + 1.0)), "vmap"),
+    "softmax over the batch by dim=-2": (nn.Sequential(*mlp(), nn.LogSoftmax(dim=-2)), "refused"),
+    "h - h.mean(0)": (mixing(lambda h: h - h.mean(0)), "refused"),
+    "batch statistics by hand": (mixing(lambda h: (h - h.mean(0)) * torch.rsqrt(h.pow(2).mean(0) + 1.0)), "refused"),
     "one layer used twice": (net(lambda m, x: m.b(torch.tanh(m.a(torch.tanh(m.a(x))))), width=6), "vmap"),
     "tied weights": (tied(), "vmap"),
     "a bare nn.Parameter in forward": (net(lambda m, x: m.b(torch.tanh(m.a(x)) * m.scale),
@@ -72,8 +73,8 @@ CASES = {
     "in-place ReLU": (nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)), "vmap"),
     "in-place add": (net(lambda m, x: m.b(torch.tanh(m.a(x).add_(1.0)))), "vmap"),
     "frozen parameters": (mlp(lambda m: m[0].weight.requires_grad_(False), lambda m: m[2].bias.requires_grad_(False)), "fast"),
-    "a roll through the flattened batch": (mixing(lambda h: h.reshape(-1).roll(8).reshape(h.shape)), "vmap"),
-    "torch.roll over the batch": (mixing(lambda h: torch.roll(h, 1, dims=0)), "vmap"),
+    "a roll through the flattened batch": (mixing(lambda h: h.reshape(-1).roll(8).reshape(h.shape)), "refused"),
+    "torch.roll over the batch": (mixing(lambda h: torch.roll(h, 1, dims=0)), "refused"),
 }
 INPUTS = {"seed CNN as a class": randn(6, 1, 14, 14), "seed MLP as a class": randn(6, 1, 4, 4)}
 X = randn(6, 6)
@@ -88,6 +89,16 @@ def case(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_recipes_equal_the_loop(recipes, name):
     model, x, expected_path = case(name)
+    if expected_path == "refused":  # the loop would answer each example alone, where the batch mixes them
+        for call in (lambda: recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS),
+                     lambda: recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS),
+                     lambda: recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, max_norm=1.0, noise_multiplier=0.0),
+                     lambda: recipes["output_jacobian"](model, x)):
+            with pytest.raises(ValueError, match="depends on the other examples of the batch"):
+                call()
+        with torch.no_grad():  # what the check sees: the first two examples, together and alone
+            assert not torch.allclose(model(x[:2]), torch.cat([model(x[:1]), model(x[1:2])]))
+        return
     expected = loop_per_sample(model, x, TARGETS)
     got, report = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, report=True)
     assert report.path == expected_path, report.reason
@@ -117,13 +128,15 @@ def test_the_adversarial_models_differ_from_the_fast_paths_arithmetic(recipes):
 
 
 def branching(m, x):
-    """Python control flow on the values of an example: vmap cannot take the branch, the loop can."""
+    """Python control flow on the values: vmap cannot take the branch, the loop can. Without `strict` both
+    branches compute the same function, so a branch another example flips changes nothing (a model whose
+    output did change that way would mix the examples, and be refused)."""
     h = torch.tanh(m.a(x))
     if h.sum() > 0:
         return m.b(h)
     if m.strict:
         raise ValueError("this model takes no example whose hidden sum is negative")
-    return m.b(-h)
+    return m.b(h.clone())
 
 
 VMAP_CANNOT_RUN = {  # the trace refuses these and vmap raises on them; one example at a time they run
@@ -190,8 +203,8 @@ def test_a_model_that_fails_both_raises_the_loops_error_chained_to_vmaps(recipes
 
 
 def test_errors_name_the_problem(recipes):
-    model, x, _ = case("h - h.mean(0)")
-    with pytest.raises(ValueError, match="batch dimension"):
+    model, x, _ = case("tied weights")
+    with pytest.raises(ValueError, match="the fast path does not apply"):
         recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, path="fast")
     with pytest.raises(ValueError, match="scalar"):
         recipes["per_sample_grads"](model, lambda p, t: F.cross_entropy(p, t, reduction="none").expand(2), x, TARGETS)

@@ -126,6 +126,20 @@ def test_this_environment_matches_the_lock():
     assert lock.problems(lock.read(), lock.installed(), partial=False) == []
 
 
+def test_setuptools_vendored_copies_are_not_read_as_installed():
+    """Importing setuptools (torch.utils.benchmark does) appends setuptools/_vendor to sys.path, where
+    importlib.metadata then finds vendored copies of packages at other releases; the environment check reads
+    the install directories only, so it is unmoved (it failed CI once, with 12 such entries)."""
+    import importlib.metadata
+
+    import setuptools  # noqa: F401
+
+    assert any("_vendor" in p for p in sys.path)
+    everywhere = {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions() if "_vendor" in str(d.locate_file(""))}
+    assert everywhere, "no vendored copies visible: the trap this test guards against is not set"
+    assert not {name for name in everywhere if name not in lock.read()} & set(lock.installed())
+
+
 # --- the weekly newest-torch report --------------------------------------------------------
 
 def test_the_newest_torch_report_lists_each_failing_cell(tmp_path):

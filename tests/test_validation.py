@@ -251,3 +251,19 @@ def test_curvature_says_what_is_not_implemented_yet(recipe):
         CURVATURE[recipe](model, CE, loader, None)
     with pytest.raises(NotImplementedError, match="tuples and dicts"):
         CURVATURE[recipe](model, CE, (X,), T)
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+def test_a_model_that_mixes_the_examples_is_refused(recipe):
+    """A batch mean taken by hand: each example's output depends on the others, so no example has a gradient of
+    its own (vmap and the loop would see each alone, where the centred term is zero). Refused before anything
+    runs; the model without the mixing, in float32 (whose rounding differs between batch sizes), runs."""
+    torch.manual_seed(36)
+    layers = nn.ModuleList([nn.Linear(4, 6), nn.Linear(6, 3)]).double()
+    centred = lambda x: layers[1](torch.tanh(layers[0](x)) - torch.tanh(layers[0](x)).mean(0))  # noqa: E731
+    mixer = type("Centred", (nn.Module,), {"forward": lambda self, x: centred(x)})()
+    mixer.layers = layers
+    with pytest.raises(ValueError, match=r"depends on the other examples of the batch .* no example has a gradient of its own"):
+        PER_EXAMPLE[recipe](mixer, CE, X, T)
+    plain = nn.Sequential(nn.Conv1d(1, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(8, 3))  # float32
+    PER_EXAMPLE[recipe](plain, CE, X.float()[:, None], T)

@@ -33,13 +33,19 @@ a random module (Dropout, ...) in           per-example recipes: each example dr
 training mode                               (``vmap(..., randomness="different")``), as the loop does;
                                             curvature recipes: ValueError (the curvature of a random
                                             function); call ``model.eval()``
+a model whose output for one example        per-example recipes: ValueError naming the problem (no
+depends on the others (a batch mean or      example has a gradient of its own), found by running the
+softmax by hand, a roll over the batch)     first two examples together and alone
+                                            (``_check_examples_apart``); curvature recipes accept it
+                                            (the batch's loss is one function of the parameters), but
+                                            ``ggn_diagonal``, which needs per-example factors, refuses it
 no parameter requires grad                  ValueError for every recipe
 called inside ``torch.no_grad()`` or        every recipe computes as outside them (gradients are
 ``torch.inference_mode()``                  enabled inside the call; inference tensors are copied);
                                             results are ordinary tensors
 ==========================================  ==========================================================
 
-Also copied, without this docstring, into the notebook cells tagged ``shared-batch`` by
+Also copied, without this docstring, into the notebook cells tagged ``shared-package`` by
 scripts/build_shared.py: edit it here.
 """
 
@@ -218,6 +224,44 @@ def _check_model(model: nn.Module, *, deterministic: bool = False) -> dict[str, 
     if not trainable:
         raise ValueError("the model has no parameters that require grad")
     return trainable
+
+
+def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
+    """The per-example recipes' check that an example's output does not depend on the other examples of the
+    batch (a batch statistic computed by hand, a softmax or a roll across the batch, a Python branch on the whole
+    batch that another example can flip): then no example has a gradient of its own, and per-example gradients,
+    norms or a clipped sum would be silently wrong (vmap and the loop see each example alone, where a batch
+    mean is the example itself). How: the model runs on the batch's first two examples together and on each
+    alone, under no_grad, and every output tensor with the two examples along dimension 0 must agree to a
+    relative 1e-5 of its largest entry (rounding between batch sizes stays far below). Cost: three forward
+    passes of one or two examples, paid off the fast path only (its trace shows the examples apart, and a
+    model that mixes them never takes it). Not run for a batch of one; nor for a model with a random module in
+    training mode, whose draws differ between the passes; nor where a forward pass raises (the recipe then
+    meets the error itself, on its own path). A model that mixes examples only beyond the first two, or only
+    through randomness, is not detected."""
+    if len(batch) < 2 or any(isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0
+                             for m in model.modules()):
+        return
+    try:
+        with torch.no_grad():
+            together = tree_flatten(batch.rows(slice(0, 2)).call(model))[0]
+            alone = [tree_flatten(batch.rows(slice(n, n + 1)).call(model))[0] for n in (0, 1)]
+    except Exception:  # any error: the recipe's own path meets it and reports it (no message is read here)
+        return
+    for k, joint in enumerate(together):
+        if not (isinstance(joint, torch.Tensor) and joint.is_floating_point() and joint.dim() >= 1 and joint.shape[0] == 2):
+            continue
+        parts = [a[k] for a in alone if k < len(a) and isinstance(a[k], torch.Tensor) and a[k].shape == (1, *joint.shape[1:])]
+        if len(parts) != 2:
+            continue
+        separate = torch.cat(parts)
+        scale = joint.abs().max().item()
+        if not torch.allclose(joint, separate, rtol=1e-5, atol=1e-5 * scale):
+            gap = (joint - separate).abs().max().item() / max(scale, torch.finfo(joint.dtype).tiny)
+            raise ValueError("the model's output for one example depends on the other examples of the batch (its first "
+                             f"two examples give outputs {gap:.1e} apart, relative to the largest, together and alone): "
+                             "a batch statistic or an operation across the batch mixes them, so no example has a gradient "
+                             "of its own; compute it per example (BatchNorm: model.eval(), or GroupNorm/LayerNorm)")
 
 
 def _gradients_enabled(recipe: Callable[..., Any]) -> Callable[..., Any]:

@@ -3,7 +3,7 @@
 Each output position of a convolution is a linear layer applied to the patch it sees, so the
 per-example products are those of a linear layer with the positions as rows (im2col). A convolution
 whose parameters are all frozen passes through with one row per example. Registered in _layers; also
-copied, without this docstring, into the notebook cells tagged `shared-layer_conv` by
+copied, without this docstring, into the notebook cells tagged `shared-package` by
 scripts/build_shared.py: edit it here.
 """
 

@@ -3,7 +3,7 @@
 Each example's gradient of the table adds the output gradients of its positions row by row (ids
 that repeat add up), so its squared norm sums g_s . g_t over the pairs of positions s, t with the
 same id; the padding row gets no gradient. Registered in _layers; also copied, without this
-docstring, into the notebook cells tagged `shared-layer_embedding` by scripts/build_shared.py:
+docstring, into the notebook cells tagged `shared-package` by scripts/build_shared.py:
 edit it here.
 """
 

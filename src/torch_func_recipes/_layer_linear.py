@@ -2,7 +2,7 @@
 
 The trace sees F.linear as W.t() (recorded here as a transposed parameter), then addmm(b, a, W^T) or
 mm(a, W^T); a frozen weight with a trainable bias is addmm(b, a, W^T) with W untracked. Registered in
-_layers; also copied, without this docstring, into the notebook cells tagged `shared-layer_linear`
+_layers; also copied, without this docstring, into the notebook cells tagged `shared-package`
 by scripts/build_shared.py: edit it here.
 """
 

@@ -2,7 +2,7 @@
 
 Each example's gradient of the weight is the sum over its positions of g * x_hat, of the bias the sum
 of g, where x_hat is the input normalised within each row. Registered in _layers; also copied,
-without this docstring, into the notebook cells tagged `shared-layer_norm` by
+without this docstring, into the notebook cells tagged `shared-package` by
 scripts/build_shared.py: edit it here.
 """
 

@@ -11,7 +11,7 @@ The trace confirms every rule at run time: a parameter may be used by one operat
 owning module's rule recognises (keyed by the module's type), or the fast path steps aside. Adding a
 layer kind means adding a module _layer_<kind>.py that defines a _LayerRule subclass, registers one
 instance with _register, and is imported at the end of this file. Also copied, without this docstring, into the
-notebook cells tagged `shared-layers` by scripts/build_shared.py: edit it here.
+notebook cells tagged `shared-package` by scripts/build_shared.py: edit it here.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 _BatchTrace follows the examples through every ATen operation of one forward pass and records the
 linear and convolution layers whose per-example products give the gradients; PathReport says which
 path a recipe call took. Also copied, without this docstring, into the notebook cells tagged
-`shared-batch_trace` by scripts/build_shared.py: edit it here.
+`shared-package` by scripts/build_shared.py: edit it here.
 """
 
 from __future__ import annotations

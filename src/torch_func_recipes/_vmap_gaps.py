@@ -4,7 +4,7 @@ _unrolled_stand_in builds a stand-in for a model whose nn.RNN/GRU/LSTM layers co
 under vmap (the model itself is never written to); _with_fallbacks is the one driver that picks vmap,
 the unroll or the loop, from the model's modules before running, and takes the loop only after vmap
 raised. Also copied, without this docstring and the relative import, into the notebook cells tagged
-`shared-vmap_gaps` by scripts/build_shared.py: edit it here.
+`shared-package` by scripts/build_shared.py: edit it here.
 """
 
 from __future__ import annotations

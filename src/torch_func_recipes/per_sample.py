@@ -19,6 +19,7 @@ from ._batch import (
     _RANDOM_IN_TRAINING,
     _as_batch,
     _check_chunk_size,
+    _check_examples_apart,
     _check_model,
     _Grads,
     _Inputs,
@@ -125,6 +126,7 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             return out
 
         run_loop = lambda: _loop_grads(model, trainable, loss_fn, batch, out)
+        _check_examples_apart(model, batch)  # off the fast path, whose trace shows the examples apart
         grads, report_ = _with_fallbacks(model, path, run_vmap, run_loop, reason)  # vmap, the unroll, or the loop
         return (grads, report_) if report else grads
 
@@ -356,6 +358,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
         layers = {} if path == "loop" else _covered_linear_layers(model, batch, trainable)
         streamed = [n for n in trainable if all(n not in own for _, own, _ in layers.values())]
         # Chapter 3's driver: the path asked for, or recurrent layers step by step under vmap; where vmap raises, the loop
+        _check_examples_apart(model, batch)  # off the fast path, whose trace shows the examples apart
         (squares, ghost, direct), how = _with_fallbacks(
             model, path, lambda module: _squared_norms_by_vmap(module, loss_fn, batch, layers, streamed, chunk_size),
             lambda: (_squared_norms_by_loop(model, loss_fn, batch, trainable), [], []), reason)
@@ -671,6 +674,7 @@ def _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size
                                          for (name, p), g in zip(trainable.items(), grads)})
         return total
 
+    _check_examples_apart(model, batch)  # off the fast path, whose trace shows the examples apart
     return _with_fallbacks(model, path, run_vmap, run_loop, reason)
 
 
@@ -690,4 +694,5 @@ def _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path,
         weighted = sum(w * _scalar_loss(one.loss(loss_fn, one.call(model))) for one, w in zip(examples, weights))
         return torch.autograd.grad(weighted, params, allow_unused=True)
 
+    _check_examples_apart(model, batch)  # off the fast path, whose trace shows the examples apart
     return _with_fallbacks(model, path, by_vmap, by_loop, reason)
