@@ -57,10 +57,10 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "path's trace must check; torch.overrides.TorchFunctionMode sees Python calls before decomposition",
                None, None),
     PrivateAPI("torch.utils._pytree.tree_flatten", "import", ("_batch._Batch._leaves", "_batch._Batch.tensors", "_batch._as_batch",
-                                                               "_batch._gradients_enabled.run",
+                                                               "_batch._check_examples_apart", "_batch._gradients_enabled.run",
                                                                "_trace._BatchTrace.__torch_dispatch__", "_trace._BatchTrace.rule"),
-               "flattens an operator's nested arguments and results, and a batch's nested inputs and targets, as torch's "
-               "own dispatch code and vmap do, and torch has no public pytree module",
+               "flattens an operator's nested arguments and results, a batch's nested inputs and targets, and a model's "
+               "nested outputs, as torch's own dispatch code and vmap do, and torch has no public pytree module",
                None, None),
     PrivateAPI("torch.utils._pytree.tree_unflatten", "import", ("_batch._Batch._rebuild", "_batch._Batch.per_example.g",
                                                                  "_batch._gradients_enabled.run"),
