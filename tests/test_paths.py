@@ -121,7 +121,7 @@ def test_the_checks_catch_a_vmap_path_that_falls_back(recipe, monkeypatch):
     nothing above: the refusal checks fail, on the GRU (which it would unroll) and on .item() (which it
     would loop)."""
     driver = torch_func_recipes.per_sample._with_fallbacks
-    lenient = lambda model, path, *rest: driver(model, "auto" if path == "vmap" else path, *rest)
+    lenient = lambda model, batch, path, *rest: driver(model, batch, "auto" if path == "vmap" else path, *rest)
     for module in (torch_func_recipes.per_sample, torch_func_recipes.output_jacobians):
         monkeypatch.setattr(module, "_with_fallbacks", lenient)
     for name in ("GRU", "item"):

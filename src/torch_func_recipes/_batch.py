@@ -29,8 +29,8 @@ a loss that is not one number               ValueError: ``loss_fn`` must return 
 BatchNorm in training mode (or without      ValueError for every recipe: the batch's statistics mix the
 running statistics)                         examples (per-example recipes) and change on every call
                                             (curvature); call ``model.eval()``
-a random module (Dropout, ...) in           per-example recipes: each example draws its own randomness
-training mode                               (``vmap(..., randomness="different")``), as the loop does;
+a random module (Dropout with p > 0,        per-example recipes: each example draws its own randomness
+RReLU) in training mode                     (``vmap(..., randomness="different")``), as the loop does;
                                             curvature recipes: ValueError (the curvature of a random
                                             function); call ``model.eval()``
 a model whose output for one example        per-example recipes: ValueError naming the problem (no
@@ -69,6 +69,13 @@ _Grads = dict[str, torch.Tensor]  # {parameter name: tensor}, in named_parameter
 
 # Modules whose forward in training mode draws random numbers.
 _RANDOM_IN_TRAINING = (nn.modules.dropout._DropoutNd, nn.RReLU)
+
+
+def _random_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module of the model that draws random numbers in its forward now: a Dropout with
+    p > 0 or an RReLU, in training mode. The one test of randomness the recipes share."""
+    return [(name or "the model", m) for name, m in model.named_modules()
+            if isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0]
 
 
 class _Batch:
@@ -217,13 +224,21 @@ def _check_model(model: nn.Module, *, deterministic: bool = False) -> dict[str, 
                              "running statistics: it normalises with the statistics of the batch it sees, which mix the "
                              "examples and change from call to call; call model.eval() (after training with running "
                              "statistics), or use GroupNorm/LayerNorm")
-        if deterministic and isinstance(module, _RANDOM_IN_TRAINING) and module.training:
-            raise ValueError(f"{name or 'the model'} ({type(module).__name__}) is random in training mode, so the "
-                             "loss is a different function on every call and has no curvature to measure; call model.eval()")
+
+    random = _random_modules(model) if deterministic else []
+    if random:
+        raise ValueError(f"{random[0][0]} ({type(random[0][1]).__name__}) is random in training mode, so the "
+                         "loss is a different function on every call and has no curvature to measure; call model.eval()")
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if not trainable:
         raise ValueError("the model has no parameters that require grad")
     return trainable
+
+
+def _clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (n + 1e-6)) for each norm n: the factor that clips an example's gradient to norm
+    max_norm (1e-6 as in Opacus, so an all-zero gradient gets 1, not a division by zero)."""
+    return (max_norm / (norms + 1e-6)).clamp(max=1.0)
 
 
 def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
@@ -239,8 +254,7 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     training mode, whose draws differ between the passes; nor where a forward pass raises (the recipe then
     meets the error itself, on its own path). A model that mixes examples only beyond the first two, or only
     through randomness, is not detected."""
-    if len(batch) < 2 or any(isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0
-                             for m in model.modules()):
+    if len(batch) < 2 or _random_modules(model):
         return
     try:
         with torch.no_grad():

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._batch import _check_examples_apart
 from ._trace import PathReport
 
 
@@ -177,8 +178,11 @@ def _first_line(error: BaseException) -> str:
     return type(error).__name__ + (f": {lines[0]}" if lines else "")
 
 
-def _with_fallbacks(model, path, run_vmap, run_loop, reason):
+def _with_fallbacks(model, batch, path, run_vmap, run_loop, reason):
     """Run run_vmap(module) on the model, or what stands in for it: returns (result, PathReport).
+
+    Every path off the fast path comes here, so this is where a model that mixes the examples of `batch` is
+    refused first (_batch._check_examples_apart): vmap and the loop see each example alone, and would answer.
 
     path "vmap": run_vmap(model) alone, errors raised. "loop": run_loop() alone. "unroll": run_vmap
     on a stand-in whose nn.RNN/GRU/LSTM layers compute step by step (_unrolled_stand_in; the model
@@ -189,6 +193,7 @@ def _with_fallbacks(model, path, run_vmap, run_loop, reason):
     the report says what was raised; if the loop raises too, its error is raised, chained to vmap's
     (__cause__). reason: why no faster path ran, kept in the report of the vmap path.
     """
+    _check_examples_apart(model, batch)
     if path == "loop":
         return run_loop(), PathReport("loop", reason)
     if path == "vmap":

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.func import jacrev, vmap
 
-from ._batch import _as_batch, _check_chunk_size, _check_examples_apart, _check_model, _Inputs, _Unbatched
+from ._batch import _as_batch, _check_chunk_size, _check_model, _Inputs, _Unbatched
 from ._layers import _rule_named
 from ._trace import PathReport, _check_path, _fast_path_screen, _owner_rules, _traced_forward
 from ._vmap_gaps import _with_fallbacks
@@ -94,8 +94,7 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
             raise ValueError(f"the fast path does not apply: {reason}")
         run_vmap = lambda module: _vmap_jacrev(module, select, trainable, batch, chunk_size, out, total)
         run_loop = lambda: _loop_jacobian(forward, trainable, batch, out, total)
-        _check_examples_apart(model, batch)  # off the fast path, whose trace shows the examples apart
-        result, report_ = _with_fallbacks(model, path, run_vmap, run_loop, reason)  # vmap, the unroll, or the loop
+        result, report_ = _with_fallbacks(model, batch, path, run_vmap, run_loop, reason)  # vmap, the unroll, or the loop
         return (result, report_) if report else result
 
 

@@ -16,14 +16,14 @@ from torch.func import grad, vmap
 from torch.overrides import TorchFunctionMode
 
 from ._batch import (
-    _RANDOM_IN_TRAINING,
     _as_batch,
     _check_chunk_size,
-    _check_examples_apart,
     _check_model,
+    _clip_factors,
     _Grads,
     _Inputs,
     _LossFn,
+    _random_modules,
     _scalar_loss,
     _Unbatched,
 )
@@ -126,8 +126,7 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             return out
 
         run_loop = lambda: _loop_grads(model, trainable, loss_fn, batch, out)
-        _check_examples_apart(model, batch)  # off the fast path, whose trace shows the examples apart
-        grads, report_ = _with_fallbacks(model, path, run_vmap, run_loop, reason)  # vmap, the unroll, or the loop
+        grads, report_ = _with_fallbacks(model, batch, path, run_vmap, run_loop, reason)  # vmap, the unroll, or the loop
         return (grads, report_) if report else grads
 
 
@@ -211,7 +210,7 @@ def clip_and_noise(per_sample: _Grads, max_norm: float, noise_multiplier: float,
     if not divisor > 0:
         raise ValueError(f"expected_batch_size must be positive, got {expected_batch_size}")
     norms = torch.linalg.vector_norm(torch.stack([g.reshape(batch, -1).norm(dim=1) for g in per_sample.values()]), dim=0)
-    scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)  # 1e-6 as in Opacus, for all-zero gradients
+    scale = _clip_factors(norms, max_norm)
     private = {}
     for name, g in per_sample.items():
         clipped_sum = torch.einsum("b,b...->...", scale.to(g.dtype), g)
@@ -358,9 +357,8 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
         layers = {} if path == "loop" else _covered_linear_layers(model, batch, trainable)
         streamed = [n for n in trainable if all(n not in own for _, own, _ in layers.values())]
         # Chapter 3's driver: the path asked for, or recurrent layers step by step under vmap; where vmap raises, the loop
-        _check_examples_apart(model, batch)  # off the fast path, whose trace shows the examples apart
         (squares, ghost, direct), how = _with_fallbacks(
-            model, path, lambda module: _squared_norms_by_vmap(module, loss_fn, batch, layers, streamed, chunk_size),
+            model, batch, path, lambda module: _squared_norms_by_vmap(module, loss_fn, batch, layers, streamed, chunk_size),
             lambda: (_squared_norms_by_loop(model, loss_fn, batch, trainable), [], []), reason)
         path, reason = how.path, how.reason
         streamed = list(trainable) if path == "loop" else streamed
@@ -435,7 +433,7 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
         del output, layers, deltas
         squares.append(chunk)
         if clipped is not None and total.requires_grad:  # the reweighted loss, on the same forward pass
-            weights = (max_norm / (chunk.clamp(min=0).sqrt() + 1e-6)).clamp(max=1.0).to(losses.dtype)
+            weights = _clip_factors(chunk.clamp(min=0).sqrt(), max_norm).to(losses.dtype)
             grads = torch.autograd.grad((weights * losses).sum(), list(trainable.values()), allow_unused=True)
             clipped = [g if c is None else (c if g is None else c + g) for c, g in zip(clipped, grads)]
         del losses, total
@@ -608,8 +606,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
         raise ValueError(f"max_norm must be positive, got {max_norm}")
     if norms is not None and (not isinstance(norms, torch.Tensor) or norms.shape != (len(batch),)):
         raise ValueError(f"norms must be a ({len(batch)},) tensor, one norm per example")
-    random = [(name or "the model", m) for name, m in model.named_modules()
-              if isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0]  # Dropout(p=0) draws nothing
+    random = _random_modules(model)
     if norms is not None and random:
         raise ValueError(f"norms were given, but {random[0][0]} ({type(random[0][1]).__name__}) is random in training "
                          "mode: norms from another forward pass do not match this pass's random draws, and the clipping "
@@ -622,7 +619,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
         if norms is None:  # norms and sum from one forward pass per example: the same dropout masks in both
             result, how = _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size, path)
             return (result, how) if report else result
-        weights = (max_norm / (norms.detach().clone() + 1e-6)).clamp(max=1.0)  # clone: norms made under inference_mode
+        weights = _clip_factors(norms.detach().clone(), max_norm)  # clone: norms made under inference_mode
         output = None
         reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(
             model, trainable, "norms")
@@ -655,7 +652,7 @@ def _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size
 
     def clip_and_add(total, grads):  # grads: {name: (n, *shape)}, n examples' gradients
         squares = sum(g.reshape(len(g), -1).square().sum(1) for g in grads.values())
-        weights = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        weights = _clip_factors(squares.sqrt(), max_norm)
         return {name: total[name] + torch.tensordot(weights, g, dims=1) for name, g in grads.items()}
 
     def run_vmap(module):  # the model, or the unroll's stand-in for it: chunk_size examples' gradients at a time
@@ -673,9 +670,7 @@ def _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size
             total = clip_and_add(total, {name: (torch.zeros_like(p) if g is None else g)[None]
                                          for (name, p), g in zip(trainable.items(), grads)})
         return total
-
-    _check_examples_apart(model, batch)  # off the fast path, whose trace shows the examples apart
-    return _with_fallbacks(model, path, run_vmap, run_loop, reason)
+    return _with_fallbacks(model, batch, path, run_vmap, run_loop, reason)
 
 
 def _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason):
@@ -693,6 +688,4 @@ def _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path,
         examples = (batch.example(n) for n in range(len(batch)))
         weighted = sum(w * _scalar_loss(one.loss(loss_fn, one.call(model))) for one, w in zip(examples, weights))
         return torch.autograd.grad(weighted, params, allow_unused=True)
-
-    _check_examples_apart(model, batch)  # off the fast path, whose trace shows the examples apart
-    return _with_fallbacks(model, path, by_vmap, by_loop, reason)
+    return _with_fallbacks(model, batch, path, by_vmap, by_loop, reason)
