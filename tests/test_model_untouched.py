@@ -62,12 +62,6 @@ def snapshot(model):
     }
 
 
-# Curvature recipes that map over examples with vmap and have no unroll or loop to fall back on: on a GRU
-# they fail with PyTorch's own error (its fused kernel has no batching rule). Not a change to the model, which
-# is what this file checks; the curvature issue owns the error. The test fails when one of them starts to answer.
-VMAP_ONLY_CURVATURE = {"empirical_fisher_vp", "ggn_diagonal", "gauss_newton_step", "influence_scores"}
-
-
 def fails_midway(out, t):
     raise RuntimeError("the loss failed on purpose")
 
@@ -77,14 +71,9 @@ def fails_midway(out, t):
 def test_the_model_is_left_as_it_was(recipe, kind):
     model = build(kind)
     before = snapshot(model)
-    if kind == "recurrent" and recipe in VMAP_ONLY_CURVATURE:  # fails inside PyTorch (a known gap: no unroll)
-        with pytest.raises(RuntimeError):
-            ALL[recipe](model, F.cross_entropy, X, T)
-    else:
-        ALL[recipe](model, F.cross_entropy, X, T)  # answers
+    ALL[recipe](model, F.cross_entropy, X, T)  # answers (a GRU too: the curvature recipes reuse the fall-backs)
     assert snapshot(model) == before
-    known_gap = kind == "recurrent" and recipe in VMAP_ONLY_CURVATURE  # then the forward fails first
-    with pytest.raises(RuntimeError, match=None if known_gap else "the loss failed on purpose"):  # fails
+    with pytest.raises(RuntimeError, match="the loss failed on purpose"):  # fails
         if recipe == "output_jacobian":  # it takes no loss: its selector fails instead
             tfr.output_jacobian(model, X, select=lambda out: fails_midway(out, None))
         else:

@@ -9,7 +9,8 @@ Every function here is the one a chapter teaches in a cell tagged `recipe`, unch
 - output_jacobians (Chapter 4): output_jacobian, split_by_parameter, empirical_ntk
 - ensembles (Chapter 5): stack_models
 - curvature (Chapter 10): param_hvp, ggn_vp, empirical_fisher_vp, ggn_diagonal, hessian_trace,
-  hessian_diagonal, top_hessian_eigenvalues, gauss_newton_step, conjugate_gradient, influence_scores
+  hessian_diagonal, top_hessian_eigenvalues (returning Eigenpairs), gauss_newton_step, conjugate_gradient,
+  influence_scores
 - migration (Chapter 12): named_like_parameters
 - PathReport, which path a recipe call took ("fast", "vmap", "unroll" or "loop") and why (from the private
   _trace module, shared by Chapters 3, 4 and 11)
@@ -17,6 +18,7 @@ Every function here is the one a chapter teaches in a cell tagged `recipe`, unch
 
 from ._trace import PathReport
 from .curvature import (
+    Eigenpairs,
     conjugate_gradient,
     empirical_fisher_vp,
     gauss_newton_step,
@@ -44,6 +46,7 @@ from .transforms import hvp, jacobian_via_vjp, pairwise
 __version__ = "0.1.0"
 
 __all__ = [
+    "Eigenpairs",
     "PathReport",
     "clip_and_noise",
     "clipped_grad_sum",

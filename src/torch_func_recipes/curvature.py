@@ -1,15 +1,26 @@
 """Chapter 10: curvature of the loss in the parameters, without P x P matrices.
 
 Hessian-, Gauss-Newton- and empirical-Fisher-vector products, the exact Gauss-Newton diagonal,
-Hutchinson's trace and diagonal estimates, Lanczos for the top Hessian eigenvalues, a damped
+Hutchinson's trace and diagonal estimates, block Lanczos for the top Hessian eigenpairs, a damped
 Gauss-Newton step solved in output space, conjugate gradients and influence scores.
+
+The data, in every recipe: one batch (``inputs``, ``targets``: tensors, examples along dimension 0), or an
+iterable of ``(inputs, targets)`` batches that can be read more than once (a ``DataLoader``, a list) with
+``targets=None``. The loss is then the loss of the whole dataset as one batch: the sum of the batches' losses
+for ``reduction='sum'``, their mean weighted by batch size (``sum_b (B_b / N) loss_b``) for ``'mean'``; each
+product reads the data once more, holding one batch at a time, and the batches' tensors are moved to the
+parameters' device. Every forward pass is checked not to draw random numbers (the curvature of a random
+function is not defined). Memory is given in each docstring with B (examples per batch), N (examples in all),
+Y (outputs per example) and P (trainable parameters); where it grows with them beyond a few P-vectors, a
+``max_memory`` keyword (bytes, default 2 GiB) refuses a call up front, with the number, or sets the chunks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import numbers
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn as nn
@@ -17,24 +28,145 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, jacrev, vjp, vmap
 
 from ._batch import _as_batch, _check_chunk_size, _check_model, _gradients_enabled
+from .output_jacobians import output_jacobian
+from .per_sample import per_sample_grads
+
+_MAX_MEMORY = 2 * 2**30  # the curvature recipes' default memory budget, in bytes: 2 GiB
 
 
-def _trainable(model, inputs, targets):
-    """The curvature recipes' one check of the model and the batch (the package's validator, with random
-    modules in training mode refused); returns the parameters that require grad, {name: detached tensor},
-    in named_parameters() order. One batch of tensors for now: an iterable of batches (a DataLoader) and
-    inputs given as a tuple or dict are part of the signature but not implemented yet, and say so."""
-    trainable = _check_model(model, deterministic=True)
-    if isinstance(inputs, Iterable) and not isinstance(inputs, (torch.Tensor, tuple, list, Mapping)):
-        raise NotImplementedError("the curvature of an iterable of batches (a DataLoader) is not implemented yet: "
-                                  "pass one batch as inputs, targets")
+def _check_max_memory(max_memory):
+    if isinstance(max_memory, bool) or not isinstance(max_memory, numbers.Real) or not float(max_memory) > 0:
+        raise ValueError(f"max_memory must be a positive number of bytes, got {max_memory!r}")
+
+
+def _refuse_above(max_memory, numbers_held, dtype, what, advice):
+    """Refuse up front a call that would hold `numbers_held` numbers of `dtype` (what: which tensors), above max_memory."""
+    need = numbers_held * dtype.itemsize
+    if need > max_memory:
+        raise ValueError(f"this call would hold {what}: {need / 2**30:.3g} GiB, above max_memory = "
+                         f"{max_memory / 2**30:.3g} GiB; {advice}, or pass a larger max_memory (in bytes)")
+
+
+@contextlib.contextmanager
+def _no_random_draws(device):
+    """Refuse a forward pass (or loss) that draws random numbers: the generators' states must not move. The
+    check curvlinops' check_deterministic makes, by the generators rather than by two calls: it catches
+    randomness written in a forward (F.dropout(training=True), torch.randn), which the check of module types
+    misses, at no extra cost. The states are restored before the error. Not caught: draws from a generator of the
+    model's own, or from Python's or NumPy's."""
+    cuda = device.type == "cuda"
+    cpu_before = torch.get_rng_state()
+    cuda_before = torch.cuda.get_rng_state(device) if cuda else cpu_before
+    yield
+    moved = not torch.equal(cpu_before, torch.get_rng_state())
+    if cuda:
+        moved = moved or not torch.equal(cuda_before, torch.cuda.get_rng_state(device))
+    if moved:
+        torch.set_rng_state(cpu_before)
+        if cuda:
+            torch.cuda.set_rng_state(cuda_before, device)
+        raise ValueError("the model (or loss_fn) drew random numbers in its forward pass, so the loss is a different "
+                         "function on every call and has no curvature to measure: call model.eval(), or take the "
+                         "randomness (dropout, noise) out of forward")
+
+
+def _is_batch_list(inputs, targets):
+    """A list or tuple of (inputs, targets) pairs given with targets=None: an iterable of batches (told apart from
+    the model's positional inputs by its first item, a pair; every item is checked when read)."""
+    return targets is None and isinstance(inputs, (list, tuple)) and len(inputs) > 0 and (
+        isinstance(inputs[0], (list, tuple)) and len(inputs[0]) == 2)
+
+
+def _check_tensor_batch(inputs, targets, where=""):
     batch = _as_batch(inputs, targets)
     if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
-        raise NotImplementedError("the curvature recipes take inputs and targets as tensors; tuples and dicts of them "
-                                  "are not implemented yet")
-    if len(batch) == 0:
-        raise ValueError("the batch is empty: a loss over no examples has no curvature")
-    return {name: p.detach() for name, p in trainable.items()}
+        raise NotImplementedError(f"the curvature recipes take inputs and targets as tensors{where}; tuples and dicts "
+                                  "of them are not implemented yet")
+    return len(batch)
+
+
+class _Data:
+    """The data a curvature recipe measures (the module docstring): iterating gives (inputs, targets, c), the
+    dataset's loss being sum_b c_b loss_fn(model(inputs_b), targets_b). One batch: c = 1, read once, kept as given.
+    An iterable: checked, counted (N) and its reduction found on a first pass; every later pass reads it again."""
+
+    source: Any  # the iterable of batches, or None for one batch
+    single: tuple[Any, Any] | None  # (inputs, targets) of one batch, or None for an iterable
+
+    def __init__(self, model, loss_fn, inputs, targets, params, name="inputs"):
+        self.model, self.loss_fn, self.params = model, loss_fn, params
+        self.device = next(iter(params.values())).device
+        if isinstance(inputs, (torch.Tensor, Mapping)) or (isinstance(inputs, (tuple, list)) and not _is_batch_list(inputs, targets)):
+            self.source, self.single = None, (inputs, targets)
+            self.sizes = [_check_tensor_batch(inputs, targets)]
+            if self.sizes[0] == 0:
+                raise ValueError("the batch is empty: a loss over no examples has no curvature")
+            self.size, self.weights = self.sizes[0], [1.0]
+            return
+        if not isinstance(inputs, Iterable):
+            raise TypeError(f"{name} must be a tensor (one batch) or an iterable of (inputs, targets) batches "
+                            f"(a DataLoader), got {type(inputs).__name__}")
+        if targets is not None:
+            raise TypeError(f"{name} is an iterable of batches, so its targets come in each (inputs, targets) batch: "
+                            "pass targets=None")
+        if iter(inputs) is inputs:
+            raise TypeError(f"{name} is an iterator, which can be read only once, but the curvature recipes read the data "
+                            "once per product: pass a DataLoader, a list of (inputs, targets) batches, or another "
+                            "iterable that can be read again")
+        self.source, self.single = inputs, None
+        self.sizes = [len(x) for x, _ in self._read()]
+        self.size = sum(self.sizes)
+        if self.size == 0:
+            raise ValueError(f"{name} holds no examples: a loss over no examples has no curvature")
+        self.weights = [b / self.size for b in self.sizes] if self._mean() else [1.0] * len(self.sizes)
+
+    def _read(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for k, item in enumerate(self.source):
+            if not (isinstance(item, (list, tuple)) and len(item) == 2):
+                raise TypeError(f"batch {k} of the data is a {type(item).__name__}, not an (inputs, targets) pair")
+            x, t = item
+            if _check_tensor_batch(x, t, f" (batch {k} of the data)") > 0:
+                yield x.to(self.device), t.to(self.device)
+
+    def _mean(self):
+        """Whether loss_fn averages over the examples (else it sums), from a batch of two or more examples (the first
+        two examples of the data put together when every batch has one); N = 1: either."""
+        if self.size == 1:
+            return False
+        batches = iter(self._read())
+        x, t = next(batches)
+        if len(x) == 1:
+            x2, t2 = next(batches)
+            x, t = torch.cat([x, x2[:1]]), torch.cat([t, t2[:1]])
+        with torch.no_grad(), _no_random_draws(self.device):
+            outputs = functional_call(self.model, self.params, (x,))
+        return _loss_weight(self.loss_fn, outputs, t) != 1.0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
+        if self.single is not None:
+            yield (*self.single, 1.0)
+            return
+        sizes = []
+        for k, (x, t) in enumerate(self._read()):
+            sizes.append(len(x))
+            if k >= len(self.sizes) or len(x) != self.sizes[k]:
+                break
+            yield x, t, self.weights[k]
+        if sizes != self.sizes:
+            raise ValueError(f"the data gave batches of {self.sizes} examples on its first pass and {sizes} on a later "
+                             "one: the curvature recipes need the same data on every pass")
+
+    def largest(self) -> int:
+        return max(self.sizes)
+
+
+def _trainable(model, loss_fn, inputs, targets, name="inputs"):
+    """The curvature recipes' one check of the model and the data (the package's validator, with random modules in
+    training mode refused): returns the parameters that require grad ({name: detached tensor}, in
+    named_parameters() order) and the data as a _Data."""
+    trainable = _check_model(model, deterministic=True)
+    params = {name: p.detach() for name, p in trainable.items()}
+    return params, _Data(model, loss_fn, inputs, targets, params, name)
 
 
 def _scalar(loss):
@@ -46,8 +178,20 @@ def _scalar(loss):
 
 
 def _loss_of_params(model, loss_fn, inputs, targets):
-    """The function params -> loss_fn(model(inputs), targets), checked to be one number."""
-    return lambda params: _scalar(loss_fn(functional_call(model, params, (inputs,)), targets))
+    """The function params -> loss_fn(model(inputs), targets), checked to be one number drawn without randomness."""
+
+    def loss(params):
+        with _no_random_draws(inputs.device):
+            return _scalar(loss_fn(functional_call(model, params, (inputs,)), targets))
+
+    return loss
+
+
+def _accumulate(total, part, weight):
+    """total + weight * part, for dicts of tensors (total None: nothing yet). No copy for a weight of 1 (one batch)."""
+    if weight != 1.0:
+        part = {n: weight * t for n, t in part.items()}
+    return part if total is None else {n: total[n] + part[n] for n in total}
 
 
 def _check_vector(vector, params):
@@ -93,18 +237,36 @@ def _hvp_operator(model, loss_fn, inputs, targets, params):
     return hvp
 
 
+def _data_hvp(model, loss_fn, data, params):
+    """v -> H v for the Hessian of the data's loss: one batch's operator (its gradient's graph kept between
+    products), or, for an iterable, a pass over the batches per product, holding one batch's graph at a time."""
+    if data.single is not None:
+        inputs, targets = data.single
+        return _hvp_operator(model, loss_fn, inputs, targets, params)
+
+    def hvp(vector, batched=False):
+        total = None
+        for x, t, c in data:
+            total = _accumulate(total, _hvp_operator(model, loss_fn, x, t, params)(vector, batched), c)
+        return total
+
+    return hvp
+
+
 @_gradients_enabled
 def param_hvp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     r"""H v for the Hessian H of ``loss_fn(model(inputs), targets)`` in the parameters that require grad.
 
     Reverse-over-reverse: the gradient g with its graph, then one backward pass of <g, v>. No P x P matrix.
+    For an iterable of batches, the sum of each batch's product, weighted as the module docstring says.
 
     Args:
         model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
         vector (dict): ``{name: tensor shaped like the parameter}``.
 
     Returns:
-        ``{name: tensor shaped like the parameter}``.
+        ``{name: tensor shaped like the parameter}``. Memory: a few P-vectors and the graph of one batch's
+        gradient (about twice a training step's activations); nothing grows with N.
 
     Example::
 
@@ -120,9 +282,9 @@ def param_hvp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: An
         >>> torch.allclose(Hv["weight"], (H @ v.flatten()).view(2, 3))
         True
     """
-    params = _trainable(model, inputs, targets)
+    params, data = _trainable(model, loss_fn, inputs, targets)
     vector = _check_vector(vector, params)
-    return _hvp_operator(model, loss_fn, inputs, targets, params)(vector)
+    return _data_hvp(model, loss_fn, data, params)(vector)
 
 
 @_gradients_enabled
@@ -137,7 +299,8 @@ def ggn_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, 
         vector (dict): ``{name: tensor shaped like the parameter}``.
 
     Returns:
-        ``{name: tensor shaped like the parameter}``.
+        ``{name: tensor shaped like the parameter}``. Memory: a few P-vectors, B x Y outputs and the graphs of
+        one batch's forward and backward passes; nothing grows with N.
 
     Example::
 
@@ -153,11 +316,20 @@ def ggn_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, 
         >>> torch.allclose(Gv["weight"], (H @ v.flatten()).view(2, 3))  # G = H: the model is linear in its weight
         True
     """
-    params = _trainable(model, inputs, targets)
+    params, data = _trainable(model, loss_fn, inputs, targets)
     vector = _check_vector(vector, params)
+    total = None
+    for x, t, c in data:
+        total = _accumulate(total, _ggn_vp_of_batch(model, loss_fn, x, t, params, vector), c)
+    assert total is not None  # the data holds at least one batch
+    return total
+
+
+def _ggn_vp_of_batch(model, loss_fn, inputs, targets, params, vector):
     leaves = _leaves(params)
-    with torch.enable_grad():
+    with torch.enable_grad(), _no_random_draws(inputs.device):
         outputs = functional_call(model, leaves, (inputs,))
+    with torch.enable_grad():
         u = torch.zeros_like(outputs, requires_grad=True)
         jt_u = torch.autograd.grad(outputs, list(leaves.values()), u, create_graph=True, materialize_grads=True)
         jv = torch.autograd.grad(torch.stack([(a * vector[name]).sum() for name, a in zip(leaves, jt_u)]).sum(), u,
@@ -170,40 +342,37 @@ def ggn_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, 
         return dict(zip(leaves, torch.autograd.grad(outputs, list(leaves.values()), h_jv, materialize_grads=True)))
 
 
-def _per_example(model, loss_fn, inputs, targets, params):
-    """(loss of one example as a function of (params, x, t), w) such that loss_fn(model(inputs), targets)
-    equals w times the sum of the per-example losses: w = 1/B for a mean, 1 for a sum; anything else is refused."""
-
-    def loss_of_one(params, x, t):
-        return _scalar(loss_fn(functional_call(model, params, (x[None],)), t[None]))
-
-    batch_loss = _loss_of_params(model, loss_fn, inputs, targets)(params)
-    each = vmap(loss_of_one, in_dims=(None, 0, 0))(params, inputs, targets)
-    for weight in (1 / len(inputs), 1.0):
-        if torch.allclose(batch_loss, weight * each.sum(), rtol=1e-5, atol=0):
-            return loss_of_one, weight
-    raise ValueError(f"loss_fn must be a mean or a sum of per-example losses (like reduction='mean' or 'sum'), but its "
-                     f"value {batch_loss.item():.6g} is neither the mean {each.mean().item():.6g} nor the sum "
-                     f"{each.sum().item():.6g} of the examples' losses")
+def _example_weight(model, loss_fn, inputs, targets, params):
+    """w such that loss_fn(model(inputs), targets) is w times the sum of the examples' own losses: 1/B for a mean, 1 for
+    a sum (anything else is refused), read from the batch's outputs (one forward pass, no model under vmap)."""
+    with torch.no_grad(), _no_random_draws(inputs.device):
+        outputs = functional_call(model, params, (inputs,))
+    return _loss_weight(loss_fn, outputs, targets)
 
 
 @_gradients_enabled
 def empirical_fisher_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any,
-                        vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                        vector: dict[str, torch.Tensor], *, max_memory: float = _MAX_MEMORY) -> dict[str, torch.Tensor]:
     r"""F v for the empirical Fisher ``F = w * sum_n g_n g_n^T``, without a P x P matrix.
 
-    g_n is the gradient of example n's loss, ``w = 1/B`` for a mean loss (1 for a sum): per-example
-    gradients by ``vmap`` of ``grad``, then two contractions.
+    g_n is the gradient of example n's loss, ``w = 1/N`` for a mean loss (1 for a sum): per-example
+    gradients by ``vmap`` of ``grad`` for as many examples at a time as ``max_memory`` allows, then two
+    contractions.
 
     Args:
         model (nn.Module): the model; never modified. Random modules must be in eval mode.
         loss_fn (Callable): ``loss_fn(model(inputs), targets)``, a mean or a sum over the examples.
-        inputs (Tensor): the batch, examples along dimension 0.
-        targets (Tensor): their targets.
+        inputs (Tensor or iterable): the batch, examples along dimension 0; or an iterable of
+            ``(inputs, targets)`` batches (a ``DataLoader``) for the whole dataset's curvature.
+        targets (Tensor or None): their targets; None with an iterable of batches.
         vector (dict): ``{name: tensor shaped like the parameter}`` for every parameter that requires grad.
+        max_memory (float): bytes the per-example gradients may hold at once (default 2 GiB): they come in
+            chunks of ``max_memory / (2 P)`` numbers' worth of examples; a call where one example's
+            gradient does not fit is refused.
 
     Returns:
-        ``{name: tensor shaped like the parameter}``. Memory: the B x P per-example gradients.
+        ``{name: tensor shaped like the parameter}``. Memory: per-example gradients of at most
+        ``min(B, max_memory / (2 P * itemsize))`` examples at a time, plus a few P-vectors.
 
     Example::
 
@@ -220,12 +389,31 @@ def empirical_fisher_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], 
         >>> torch.allclose(Fv["weight"], (g.T @ g @ v.flatten() / 8).view(2, 3))  # F = (1/B) sum_n g_n g_n^T for a mean loss
         True
     """
-    params = _trainable(model, inputs, targets)
+    params, data = _trainable(model, loss_fn, inputs, targets)
     vector = _check_vector(vector, params)
-    loss_of_one, weight = _per_example(model, loss_fn, inputs, targets, params)
-    g = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets)  # {name: (B, *shape)}
-    dots = sum((g[n] * vector[n]).flatten(1).sum(dim=1) for n in params)  # g_n^T v, (B,)
-    return {n: weight * torch.einsum("b,b...->...", dots, g[n]) for n in params}
+    total = None
+    for c, weight, g in _per_example_gradients(model, loss_fn, data, params, max_memory):
+        dots = sum((g[n] * vector[n]).flatten(1).sum(dim=1) for n in params)  # g_n^T v, one per example
+        total = _accumulate(total, {n: torch.einsum("b,b...->...", dots, g[n]) for n in params}, c * weight)
+    assert total is not None  # the data holds at least one example
+    return total
+
+
+def _per_example_gradients(model, loss_fn, data, params, max_memory):
+    """For every chunk of examples of the data: (c, w, {name: (chunk, *shape)} gradients of the chunk's examples' own
+    losses), chunks of at most max_memory / (2 P) numbers (a gradient and one temporary). The gradients come from
+    per_sample_grads, with its fast paths and its fall-backs (a GRU or LSTM unrolled) and its refusal of a model
+    that mixes the examples (no example would have a gradient of its own)."""
+    _check_max_memory(max_memory)
+    first = next(iter(params.values()))
+    P = sum(p.numel() for p in params.values())
+    _refuse_above(max_memory, 2 * P, first.dtype, f"one example's gradient and a temporary (2 P = {2 * P:,} numbers)",
+                  "the model is too large for this budget")
+    rows = int(max_memory // (2 * P * first.dtype.itemsize))
+    for x, t, c in data:
+        weight = _example_weight(model, loss_fn, x, t, params)
+        for start in range(0, len(x), rows):
+            yield c, weight, per_sample_grads(model, lambda out, t: _scalar(loss_fn(out, t)), x[start:start + rows], t[start:start + rows])
 
 
 def _loss_weight(loss_fn, outputs, targets):
@@ -280,7 +468,8 @@ def _output_hessian_factors(loss_fn, outputs, targets):
 
 
 @_gradients_enabled
-def ggn_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, per_sample: bool = False) -> dict[str, torch.Tensor]:
+def ggn_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, per_sample: bool = False,
+                 max_memory: float = _MAX_MEMORY) -> dict[str, torch.Tensor]:
     r"""The exact diagonal of the Gauss-Newton matrix G (or each example's share of it).
 
     For a mean or sum ``w * sum_n`` of per-example losses, with ``H_n = sum_k lam_k u_k u_k^T`` the Hessian of
@@ -292,10 +481,15 @@ def ggn_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs:
 
     Args:
         model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
-        per_sample (bool): return each example's share, ``{name: (B, *shape)}``, which sum over B to the diagonal.
+        per_sample (bool): return each example's share, ``{name: (N, *shape)}``, which sum over N to the diagonal.
+        max_memory (float): bytes the call may hold (default 2 GiB); above it, refused up front.
 
     Returns:
-        ``{name: tensor shaped like the parameter}`` (``(B, *shape)`` with ``per_sample=True``).
+        ``{name: tensor shaped like the parameter}`` (``(N, *shape)`` with ``per_sample=True``). Memory: the
+        Y back-propagated outputs of every layer (Y times a batch's activations) and, for a layer other than
+        a linear one, Y x B x its parameters; with ``per_sample=True``, N x P more. The general path (a layer
+        called twice, a weight used outside its layer) holds Y x P per example, for as many examples at a time
+        as ``max_memory`` allows.
 
     Example::
 
@@ -312,7 +506,24 @@ def ggn_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs:
         >>> torch.allclose(shares["weight"].sum(0), H.diagonal().view(2, 3))  # G = H: the model is linear in its weight
         True
     """
-    params = _trainable(model, inputs, targets)
+    params, data = _trainable(model, loss_fn, inputs, targets)
+    _check_max_memory(max_memory)
+    first = next(iter(params.values()))
+    P = sum(p.numel() for p in params.values())
+    if per_sample:
+        _refuse_above(max_memory, data.size * P, first.dtype, f"the per-example shares, N x P = {data.size:,} x {P:,} numbers",
+                      "use per_sample=False, or fewer examples")
+    if data.single is not None:  # one batch: its answer as it is (no copy of the N x P shares)
+        inputs, targets = data.single
+        return _ggn_diagonal_of_batch(model, loss_fn, inputs, targets, params, per_sample, max_memory)
+    parts = [{n: c * share for n, share in _ggn_diagonal_of_batch(model, loss_fn, x, t, params, per_sample, max_memory).items()}
+             for x, t, c in data]
+    if per_sample:
+        return {n: torch.cat([part[n] for part in parts]) for n in params}
+    return {n: torch.stack([part[n] for part in parts]).sum(dim=0) for n in params}
+
+
+def _ggn_diagonal_of_batch(model, loss_fn, inputs, targets, params, per_sample, max_memory):
     owners = {}  # parameter name -> (the module holding it, its name there)
     for module_name, module in model.named_modules():
         for local, p in module.named_parameters(recurse=False):
@@ -323,25 +534,38 @@ def ggn_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs:
     hooks = [m.register_forward_hook(lambda m, args, out: calls[id(m)].append((args, out))) for m in modules]
     leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), _no_random_draws(inputs.device):
             outputs = functional_call(model, leaves, (inputs,))
     finally:
         for hook in hooks:
             hook.remove()
-    with torch.no_grad():
-        alone = vmap(lambda x: functional_call(model, params, (x[None],))[0])(inputs)
+    with torch.no_grad():  # each example alone: by vmap, or by a loop where a recurrent module cannot run under vmap
+        if any(isinstance(m, nn.RNNBase) for m in modules):
+            alone = torch.cat([functional_call(model, params, (inputs[n:n + 1],)) for n in range(len(inputs))])
+        else:
+            alone = vmap(lambda x: functional_call(model, params, (x[None],))[0])(inputs)
     scale = outputs.detach().abs().max().item()
     if not torch.allclose(alone, outputs.detach(), rtol=1e-5, atol=1e-5 * scale):
         raise ValueError("the model mixes the examples of a batch (its outputs for an example alone differ from its "
                          "outputs in the batch), so the Gauss-Newton matrix has no per-example diagonal shares")
     lam, cotangents = _output_hessian_factors(loss_fn, outputs.detach(), targets)
-    B = len(inputs)
+    B, Y, dtype = len(inputs), len(lam), outputs.dtype
+    P = sum(p.numel() for p in params.values())
     if all(len(c) == 1 and len(c[0][0]) == 1 and isinstance(c[0][0][0], torch.Tensor) and isinstance(c[0][1], torch.Tensor)
            and c[0][0][0].shape[:1] == (B,) == c[0][1].shape[:1] for c in calls.values()):
-        shares = _ggn_diagonal_by_layers(outputs, leaves, owners, modules, calls, lam, cotangents, per_sample)
+        activations = sum(c[0][1].numel() for c in calls.values())
+        recurrent = any(isinstance(m, nn.RNNBase) for m in modules)  # no vmap of a recurrent module alone: general path
+        others = sum(p.numel() for name, p in params.items() if type(owners[name][0]) is not nn.Linear)
+        _refuse_above(max_memory, Y * (activations + 2 * B * others), dtype,
+                      f"Y = {Y} copies of the layers' outputs ({activations:,} numbers) and of the per-example gradients of "
+                      f"its layers other than Linear (B x {others:,})", "pass smaller batches (a DataLoader)")
+        shares = None if recurrent else _ggn_diagonal_by_layers(outputs, leaves, owners, modules, calls, lam, cotangents, per_sample)
         if shares is not None:
             return shares
-    shares = _ggn_diagonal_by_vmap(model, params, inputs, lam, cotangents)
+    _refuse_above(max_memory, 2 * Y * P, dtype, f"one example's Y x P = {Y} x {P:,} Jacobian rows and their squares",
+                  "the model is too large for this budget")
+    chunk = int(min(B, max_memory // (2 * Y * P * dtype.itemsize)))
+    shares = _ggn_diagonal_by_vmap(model, params, inputs, lam, cotangents, chunk)
     return shares if per_sample else {name: s.sum(dim=0) for name, s in shares.items()}
 
 
@@ -378,49 +602,79 @@ def _ggn_diagonal_by_layers(outputs, leaves, owners, modules, calls, lam, cotang
     return {name: shares[name] for name in leaves}
 
 
-def _ggn_diagonal_by_vmap(model, params, inputs, lam, cotangents):
-    """The general path: vmap over examples of vmap over the Y cotangents of the vjp of one example's outputs."""
+def _ggn_diagonal_by_vmap(model, params, inputs, lam, cotangents, chunk_size=None):
+    """The general path: each example's (Y, P) output Jacobian J_n by output_jacobian (vmap of jacrev, or its
+    fall-backs: a GRU or LSTM unrolled, else a loop), chunk_size examples at a time (all if None); then J_n^T u_k for the Y
+    cotangents, squared and weighted. Returns each example's share, {name: (B, *shape)}."""
+    sizes, shares, chunk_size = [p.numel() for p in params.values()], [], chunk_size or len(inputs)
+    for start in range(0, len(inputs), chunk_size):
+        rows = slice(start, start + chunk_size)
+        J = cast(torch.Tensor, output_jacobian(model, inputs[rows], select=lambda out: out.reshape(len(out), -1)))  # (c, Y, P)
+        columns = torch.einsum("cyp,kcy->kcp", J, cotangents[:, rows].reshape(len(lam), J.shape[0], -1))  # J_n^T u_k
+        shares.append(torch.einsum("kc,kcp->cp", lam[:, rows], columns**2))
+    share = torch.cat(shares)
+    return {name: piece.reshape(len(inputs), *p.shape) for (name, p), piece in zip(params.items(), share.split(sizes, dim=1))}
 
-    def share(x, lam_n, u_n):  # lam_n (Y,), u_n (Y, *output)
-        _, vjp_fn = vjp(lambda p: functional_call(model, p, (x[None],))[0], params)
-        columns = vmap(vjp_fn)(u_n)[0]  # {name: (Y, *shape)}: J_n^T u_k
-        return {name: torch.einsum("k,k...->...", lam_n, c**2) for name, c in columns.items()}
 
-    return vmap(share, in_dims=(0, 1, 1))(inputs, lam, cotangents)
-
-
-def _rademacher(params, samples, generator):
-    """samples random +-1 vectors shaped like params, {name: (samples, *shape)}, drawn on the CPU, then moved."""
+def _rademacher_bits(params, samples, generator):
+    """samples random bits per parameter entry, {name: (samples, *shape) int8 on the CPU}: one byte per entry."""
     if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or samples < 1:
         raise ValueError(f"samples must be a positive int, got {samples!r}")
-    return {name: (2 * torch.randint(0, 2, (int(samples), *p.shape), generator=generator) - 1).to(p.dtype).to(p.device)
+    return {name: torch.randint(0, 2, (int(samples), *p.shape), generator=generator, dtype=torch.int8)
             for name, p in params.items()}
 
 
-def _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size):
-    params = _trainable(model, inputs, targets)
-    probes = _rademacher(params, samples, generator)
+def _signs(bits, params, rows=slice(None)):
+    """The +-1 probes of the given rows of bits, in the parameters' dtype and on their device."""
+    return {name: (2 * bits[name][rows] - 1).to(p.dtype).to(p.device) for name, p in params.items()}
+
+
+def _rademacher(params, samples, generator):
+    """samples random +-1 vectors shaped like params, {name: (samples, *shape)}, drawn on the CPU, then moved:
+    the probes the estimators draw from the same generator."""
+    return _signs(_rademacher_bits(params, samples, generator), params)
+
+
+def _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size, max_memory):
+    """The probes v and their products H v, a chunk at a time: yields ({name: (chunk, *shape)}, the same for H v).
+    Memory: the probes' bits (samples x P bytes) and, per chunk, its probes, products and the batched backward
+    pass's temporaries (counted as 3 x chunk x P numbers)."""
+    params, data = _trainable(model, loss_fn, inputs, targets)
     _check_chunk_size(chunk_size)
-    hvp, step = _hvp_operator(model, loss_fn, inputs, targets, params), chunk_size or int(samples)
-    chunks = [hvp({n: t[i:i + step] for n, t in probes.items()}, batched=True) for i in range(0, int(samples), step)]
-    return probes, {n: torch.cat([c[n] for c in chunks]) for n in params}
+    _check_max_memory(max_memory)
+    bits = _rademacher_bits(params, samples, generator)
+    first = next(iter(params.values()))
+    P, S, size = sum(p.numel() for p in params.values()), int(samples), first.dtype.itemsize
+    room = max_memory - S * P  # the bits take one byte each
+    if chunk_size is None:
+        chunk_size = int(max(1, min(S, room // (3 * P * size))))
+    _refuse_above(max_memory, S * P / size + 3 * min(chunk_size, S) * P, first.dtype,
+                  f"{S:,} probes' bits (S x P bytes) and {min(chunk_size, S)} at a time as products (3 x chunk x P numbers)",
+                  "use fewer samples or a smaller chunk_size")
+    hvp = _data_hvp(model, loss_fn, data, params)
+    for start in range(0, S, chunk_size):
+        probes = _signs(bits, params, slice(start, start + chunk_size))
+        yield probes, hvp(probes, batched=True)
 
 
 @_gradients_enabled
 def hessian_trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, samples: int, generator: torch.Generator | None = None,
-                  chunk_size: int | None = None) -> float:
+                  chunk_size: int | None = None, max_memory: float = _MAX_MEMORY) -> float:
     r"""Hutchinson's estimate of the trace of the parameter Hessian: the mean of ``v^T H v``.
 
-    Unbiased, with a variance that falls as 1/samples; the probes run through one batched backward pass.
+    Unbiased, with a variance that falls as 1/samples; the probes run through batched backward passes.
 
     Args:
         model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
         samples (int): how many Rademacher vectors v (entries +-1).
         generator (torch.Generator, optional): the CPU generator of the probes.
-        chunk_size (int, optional): probes per backward pass; all at once if None.
+        chunk_size (int, optional): probes per backward pass; if None, as many as ``max_memory`` allows.
+        max_memory (float): bytes the probes may hold (default 2 GiB): S x P bytes for all of them (their
+            signs) and 3 x chunk_size x P numbers for a chunk's probes, products and temporaries; above it,
+            refused up front.
 
     Returns:
-        A float.
+        A float. Memory: as under ``max_memory``, plus the graph of one batch's gradient.
 
     Example::
 
@@ -435,21 +689,24 @@ def hessian_trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs
         >>> isinstance(estimate, float), abs(estimate - H.trace().item()) < 0.05 * H.trace().item()
         (True, True)
     """
-    probes, products = _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size)
-    return sum((probes[n] * products[n]).flatten(1).sum(dim=1) for n in probes).mean().item()
+    total = 0.0
+    for probes, products in _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size, max_memory):
+        total += sum((probes[n] * products[n]).sum() for n in probes).item()
+    return total / samples
 
 
 @_gradients_enabled
 def hessian_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, samples: int,
-                     generator: torch.Generator | None = None, chunk_size: int | None = None) -> dict[str, torch.Tensor]:
+                     generator: torch.Generator | None = None, chunk_size: int | None = None,
+                     max_memory: float = _MAX_MEMORY) -> dict[str, torch.Tensor]:
     r"""Hutchinson's estimate of the diagonal of the parameter Hessian: the mean of ``v * (H v)``.
 
     Args:
         model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
-        samples, generator, chunk_size: as in :func:`hessian_trace`.
+        samples, generator, chunk_size, max_memory: as in :func:`hessian_trace`.
 
     Returns:
-        ``{name: tensor shaped like the parameter}``.
+        ``{name: tensor shaped like the parameter}``. Memory: as in :func:`hessian_trace`.
 
     Example::
 
@@ -465,26 +722,16 @@ def hessian_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inp
         >>> estimate["weight"].shape, bool((estimate["weight"] - exact).abs().max() < 0.1 * exact.abs().max())
         (torch.Size([2, 3]), True)
     """
-    probes, products = _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size)
-    return {n: (probes[n] * products[n]).mean(dim=0) for n in probes}
+    total = None
+    for probes, products in _hutchinson(model, loss_fn, inputs, targets, samples, generator, chunk_size, max_memory):
+        total = _accumulate(total, {n: (probes[n] * products[n]).sum(dim=0) for n in probes}, 1.0)
+    assert total is not None  # at least one probe
+    return {n: t / samples for n, t in total.items()}
 
 
-@_gradients_enabled
-def top_hessian_eigenvalues(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, k: int = 1, *, iterations: int | None = None,
-                            generator: torch.Generator | None = None) -> torch.Tensor:
-    r"""The k algebraically largest eigenvalues of the parameter Hessian, largest first.
-
-    Lanczos with full reorthogonalisation on Hessian-vector products, then the eigenvalues of the small
-    tridiagonal matrix. With ``iterations = P`` it is exact up to rounding.
-
-    Args:
-        model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
-        k (int): how many eigenvalues.
-        iterations (int, optional): Hessian-vector products to use; default ``min(P, max(2k + 20, 40))``.
-        generator (torch.Generator, optional): the CPU generator of the start vector.
-
-    Returns:
-        A 1-d tensor of k eigenvalues. Memory: ``iterations`` vectors of P numbers.
+class Eigenpairs(NamedTuple):
+    """What :func:`top_hessian_eigenvalues` returns: the top k eigenvalues, largest first, each with its residual
+    and, on request, its eigenvector.
 
     Example::
 
@@ -492,64 +739,168 @@ def top_hessian_eigenvalues(model: nn.Module, loss_fn: Callable[..., torch.Tenso
         >>> from torch import nn
         >>> from torch_func_recipes import top_hessian_eigenvalues
         >>> _ = torch.manual_seed(0)
-        >>> model, loss_fn = nn.Linear(3, 2, bias=False).double(), nn.functional.cross_entropy
-        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
-        >>> H = torch.autograd.functional.hessian(lambda w: loss_fn(x @ w.T, y), model.weight).reshape(6, 6)
-        >>> top = top_hessian_eigenvalues(model, loss_fn, x, y, k=2, generator=torch.Generator().manual_seed(0))
-        >>> top.shape, torch.allclose(top, torch.linalg.eigvalsh(H).flip(0)[:2])  # iterations = P = 6 here: exact
-        (torch.Size([2]), True)
+        >>> model, loss_fn = nn.Linear(3, 1).double(), nn.functional.mse_loss
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+        >>> values, residuals, vectors = top_hessian_eigenvalues(model, loss_fn, x, y, k=2, eigenvectors=True)
+        >>> values.shape, residuals.shape, {name: tuple(v.shape) for name, v in vectors.items()}
+        (torch.Size([2]), torch.Size([2]), {'weight': (2, 1, 3), 'bias': (2, 1)})
     """
-    params = _trainable(model, inputs, targets)
-    total = sum(p.numel() for p in params.values())
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= total:
-        raise ValueError(f"k must be an int from 1 to the number of parameters ({total}), got {k!r}")
-    steps = min(total, max(2 * k + 20, 40)) if iterations is None else iterations
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not k <= steps <= total:
-        raise ValueError(f"iterations must be an int from k ({k}) to the number of parameters ({total}), got {steps!r}")
-    hvp = _hvp_operator(model, loss_fn, inputs, targets, params)
-    sizes, first = [p.numel() for p in params.values()], next(iter(params.values()))
 
-    def matvec(vector):  # flat vector -> flat H v
-        pieces = {n: piece.view(p.shape) for (n, p), piece in zip(params.items(), vector.split(sizes))}
-        return torch.cat([t.reshape(-1) for t in hvp(pieces).values()])
+    values: torch.Tensor
+    """(k,): the Ritz values, largest first, each repeated eigenvalue as often as it occurs."""
+    residuals: torch.Tensor
+    """(k,): ``|H v - value * v|`` for each unit Ritz vector v, computed with k more products: small relative
+    to the values where they have converged."""
+    vectors: dict[str, torch.Tensor] | None
+    """``{name: (k, *shape)}``, the unit Ritz vectors (eigenvectors once converged), with ``eigenvectors=True``;
+    else None."""
 
-    start = torch.randn(total, generator=generator, dtype=first.dtype).to(first.device)
-    basis, alphas, betas = [start / start.norm()], [], []
-    for step in range(int(steps)):
-        w = matvec(basis[-1])
-        alphas.append(torch.dot(w, basis[-1]))
-        Q = torch.stack(basis)
-        for _ in range(2):  # full reorthogonalisation, twice ("twice is enough")
-            w = w - Q.T @ (Q @ w)
-        beta = w.norm()
-        if step == steps - 1 or beta <= 1e-12 * max(abs(a.item()) for a in alphas):
-            break  # done, or the Krylov space is invariant and the Ritz values are exact
-        betas.append(beta)
-        basis.append(w / beta)
-    tridiagonal = torch.diag(torch.stack(alphas))
-    if betas:
-        tridiagonal = tridiagonal + torch.diag(torch.stack(betas), 1) + torch.diag(torch.stack(betas), -1)
-    ritz = torch.linalg.eigvalsh(tridiagonal).flip(0)  # largest first
-    if len(ritz) < k:
-        raise ValueError(f"Lanczos stopped in an invariant subspace of dimension {len(ritz)} < k = {k}: "
-                         "start from another generator")
-    return ritz[:k]
+
+def _orthonormal_rows(W, basis, generator):
+    """W's rows made orthonormal and orthogonal to the rows of basis (twice, "twice is enough"); a row that has
+    (almost) no component left is replaced by a random direction orthogonal to everything, so the basis keeps
+    growing (an invariant subspace, or a repeated eigenvalue, leaves the block Krylov space short)."""
+    scale = W.norm(dim=1).max().item()
+    for _ in range(2):
+        if len(basis):
+            W = W - (W @ basis.T) @ basis
+    if len(W) == 1:  # one vector: its norm is its R
+        R = W.norm().reshape(1, 1)
+        Q = W / R.clamp_min(torch.finfo(W.dtype).tiny)
+    else:
+        Q, R = torch.linalg.qr(W.T)
+        Q = Q.T.clone()
+    good = R.diagonal().abs() > 1e-10 * max(scale, torch.finfo(W.dtype).tiny)
+    for row in (~good).nonzero().flatten().tolist():  # QR's row there is arbitrary: not orthogonal to the basis
+        others = torch.cat([basis, Q[good]])
+        fresh = torch.randn(W.shape[1], generator=generator, dtype=W.dtype).to(W.device)
+        for _ in range(2):
+            fresh = fresh - others.T @ (others @ fresh)
+        Q[row], good[row] = fresh / fresh.norm(), True
+    return Q
+
+
+def _block_lanczos(matvec, total, k, block, iterations, dtype, device, generator):
+    """The top k Ritz pairs of the symmetric operator matvec ((b, total) -> (b, total)) on a block Krylov space of
+    `iterations` dimensions, started from `block` random vectors, with full reorthogonalisation: returns the
+    values (k,), the unit vectors (k, total) and the residuals |H v - value v| (k,). T, the operator in the basis,
+    is computed entry by entry from the products (Rayleigh-Ritz), so it is exact for whatever basis rounding
+    left. A block of b vectors finds an eigenvalue up to b times; iterations = total spans everything (exact)."""
+    basis = torch.empty(iterations, total, dtype=dtype, device=device)
+    T = torch.zeros(iterations, iterations, dtype=dtype, device=device)
+    start = torch.randn(block, total, generator=generator, dtype=dtype).to(device)
+    basis[:block] = _orthonormal_rows(start, basis[:0], generator)
+    done, size = 0, block  # rows of the basis whose products are in T; rows of the basis
+    while True:
+        products = matvec(basis[done:size])
+        T[:size, done:size] = basis[:size] @ products.T  # the upper triangle, a block of columns at a time
+        done, room = size, min(block, iterations - size)
+        if room <= 0:
+            break
+        basis[size:size + room] = _orthonormal_rows(products[:room], basis[:size], generator)
+        size += room
+    T = torch.triu(T) + torch.triu(T, 1).T
+    values, vectors = torch.linalg.eigh(T)
+    values, vectors = values.flip(0)[:k], (vectors.flip(1)[:, :k].T @ basis)
+    vectors = vectors / vectors.norm(dim=1, keepdim=True)
+    residuals = (matvec(vectors) - values[:, None] * vectors).norm(dim=1)
+    return values, vectors, residuals
 
 
 @_gradients_enabled
-def gauss_newton_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, damping: float) -> dict[str, torch.Tensor]:
+def top_hessian_eigenvalues(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, k: int = 1, *,
+                            iterations: int | None = None, block_size: int | None = None, eigenvectors: bool = False,
+                            generator: torch.Generator | None = None, max_memory: float = _MAX_MEMORY) -> Eigenpairs:
+    r"""The k algebraically largest eigenvalues of the parameter Hessian, largest first, with their multiplicity.
+
+    Block Lanczos: an orthonormal basis of the block Krylov space ``{V, HV, H^2 V, ...}`` of a random start
+    block V of ``block_size`` vectors (reorthogonalised in full), the Hessian in that basis (Rayleigh-Ritz),
+    and its eigenpairs; each block's products run as one batched backward pass. An eigenvalue repeated up to
+    ``block_size`` times among the top k is found as often as it occurs (one start vector finds it once).
+    Convergence is not guaranteed: read the residuals. With ``iterations = P`` the basis spans every
+    direction and the values are exact up to rounding.
+
+    Args:
+        model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
+        k (int): how many eigenvalues.
+        iterations (int, optional): Hessian-vector products in the basis (its dimension); default
+            ``min(P, max(40, 12 * block_size))``. k more products give the residuals.
+        block_size (int, optional): start vectors, and products per batched backward pass; default k.
+        eigenvectors (bool): also return the unit Ritz vectors.
+        generator (torch.Generator, optional): the CPU generator of the start block.
+        max_memory (float): bytes the basis may hold (default 2 GiB); above it, refused up front.
+
+    Returns:
+        :class:`Eigenpairs` ``(values, residuals, vectors)``. Memory: the basis, ``iterations x P`` numbers, plus
+        ``2 (block_size + k)`` P-vectors and one batch's gradient graph.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch_func_recipes import top_hessian_eigenvalues
+        >>> _ = torch.manual_seed(0)
+        >>> model, loss_fn = nn.Linear(3, 2, bias=False).double(), nn.functional.mse_loss
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+        >>> H = torch.autograd.functional.hessian(lambda w: loss_fn(x @ w.T, y), model.weight).reshape(6, 6)
+        >>> top = top_hessian_eigenvalues(model, loss_fn, x, y, k=2, generator=torch.Generator().manual_seed(0))
+        >>> torch.allclose(top.values, torch.linalg.eigvalsh(H).flip(0)[:2])  # each eigenvalue twice: two outputs
+        True
+        >>> bool(top.residuals.max() < 1e-10), top.values[0].item() == top.values[1].item() or "equal up to rounding"
+        (True, 'equal up to rounding')
+    """
+    params, data = _trainable(model, loss_fn, inputs, targets)
+    total = sum(p.numel() for p in params.values())
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= total:
+        raise ValueError(f"k must be an int from 1 to the number of parameters ({total}), got {k!r}")
+    block = k if block_size is None else block_size
+    if isinstance(block, bool) or not isinstance(block, numbers.Integral) or not 1 <= block <= total:
+        raise ValueError(f"block_size must be an int from 1 to the number of parameters ({total}), got {block!r}")
+    steps = min(total, max(40, 12 * block)) if iterations is None else iterations
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not max(k, block) <= steps <= total:
+        raise ValueError(f"iterations must be an int from max(k, block_size) ({max(k, block)}) to the number of "
+                         f"parameters ({total}), got {steps!r}")
+    _check_max_memory(max_memory)
+    first = next(iter(params.values()))
+    _refuse_above(max_memory, (int(steps) + 2 * (block + k)) * total, first.dtype,
+                  f"a basis of {int(steps)} vectors of P = {total:,} numbers", "use fewer iterations")
+    hvp = _data_hvp(model, loss_fn, data, params)
+    sizes = [p.numel() for p in params.values()]
+
+    def matvec(rows):  # (b, P) flat vectors -> (b, P) products, in one batched backward pass (a plain one for b = 1)
+        if len(rows) == 1:
+            pieces = {n: piece.view(p.shape) for (n, p), piece in zip(params.items(), rows[0].split(sizes))}
+            return torch.cat([t.reshape(-1) for t in hvp(pieces).values()])[None]
+        pieces = {n: piece.reshape(len(rows), *p.shape) for (n, p), piece in zip(params.items(), rows.split(sizes, dim=1))}
+        return torch.cat([t.reshape(len(rows), -1) for t in hvp(pieces, batched=True).values()], dim=1)
+
+    values, vectors, residuals = _block_lanczos(matvec, total, int(k), int(block), int(steps), first.dtype, first.device,
+                                                generator)
+    named = None
+    if eigenvectors:
+        named = {n: piece.reshape(int(k), *p.shape) for (n, p), piece in zip(params.items(), vectors.split(sizes, dim=1))}
+    return Eigenpairs(values, residuals, named)
+
+
+@_gradients_enabled
+def gauss_newton_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, targets: Any, *, damping: float,
+                      max_memory: float = _MAX_MEMORY) -> dict[str, torch.Tensor]:
     r"""The damped Gauss-Newton step ``-(G + damping I)^{-1} g``, solved in output space.
 
-    ``-J^T (damping I + H_L J J^T)^{-1} r``, with J the (B*Y, P) output Jacobian (``vmap`` over examples of
-    ``jacrev``), H_L the loss's Hessian in the outputs and r its gradient there: one dense solve of B*Y
-    unknowns.
+    ``-J^T (damping I + H_L J J^T)^{-1} r``, with J the (N*Y, P) output Jacobian (``vmap`` over examples of
+    ``jacrev``), H_L the loss's Hessian in the outputs (``jacrev`` of ``grad``, a batch's block at a time) and r
+    its gradient there: one dense solve of N*Y unknowns.
 
     Args:
         model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
         damping (float): the damping, positive.
+        max_memory (float): bytes the Jacobian and the system may hold (default 2 GiB); above it, refused up
+            front.
 
     Returns:
-        ``{name: tensor shaped like the parameter}``. Memory: the (B*Y, P) Jacobian.
+        ``{name: tensor shaped like the parameter}``. Memory: the (N*Y, P) Jacobian and two (N*Y, N*Y)
+        matrices, ``N Y P + 2 (N Y)^2`` numbers: 2.4 GB in float32 for a 1.2-million-parameter CNN with 50
+        examples of 10 outputs.
 
     Example::
 
@@ -568,15 +919,30 @@ def gauss_newton_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], in
     """
     if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or damping <= 0:
         raise ValueError(f"damping must be a positive number, got {damping!r}")
-    params = _trainable(model, inputs, targets)
-    outputs = functional_call(model, params, (inputs,))
-    blocks = vmap(jacrev(lambda p, x: functional_call(model, p, (x[None],))[0]), in_dims=(None, 0))(params, inputs)
-    n = outputs.numel()
-    jacobian = torch.cat([blocks[name].reshape(n, -1) for name in params], dim=1)  # (B*Y, P)
-    loss_of_outputs = lambda o: _scalar(loss_fn(o, targets))
-    residual = grad(loss_of_outputs)(outputs).reshape(n)
-    output_hessian = torch.func.hessian(loss_of_outputs)(outputs).reshape(n, n)
-    system = damping * torch.eye(n, dtype=outputs.dtype, device=outputs.device) + output_hessian @ (jacobian @ jacobian.T)
+    params, data = _trainable(model, loss_fn, inputs, targets)
+    _check_max_memory(max_memory)
+    P = sum(p.numel() for p in params.values())
+    jacobians, residuals, hessians = [], [], []
+    for x, t, c in data:
+        with _no_random_draws(x.device):
+            outputs = functional_call(model, params, (x,))
+        n = outputs.numel()
+        if not jacobians:
+            rows = data.size * (n // len(x))
+            _refuse_above(max_memory, rows * P + 2 * rows**2, outputs.dtype,
+                          f"the (N*Y, P) = ({rows:,}, {P:,}) output Jacobian and two (N*Y)^2 matrices",
+                          "use fewer examples")
+        # (B*Y, P): output_jacobian, with its fast path and its fall-backs (a GRU or LSTM unrolled, else a loop)
+        jacobians.append(output_jacobian(model, x, select=lambda out: out.reshape(len(out), -1)).reshape(n, P))
+        loss_of_outputs = lambda o, t=t, c=c: c * _scalar(loss_fn(o, t))
+        residuals.append(grad(loss_of_outputs)(outputs).reshape(n))
+        # jacrev of grad: the composition that is right through every layer (torch.func.hessian, jacfwd of
+        # jacrev, is wrong through a LayerNorm in torch 2.13; see Chapter 2)
+        hessians.append(jacrev(grad(loss_of_outputs))(outputs).reshape(n, n))
+    one = len(jacobians) == 1  # one batch: no copy of its Jacobian
+    jacobian, residual = (jacobians[0], residuals[0]) if one else (torch.cat(jacobians), torch.cat(residuals))
+    output_hessian = hessians[0] if one else torch.block_diag(*hessians)
+    system = damping * torch.eye(len(residual), dtype=residual.dtype, device=residual.device) + output_hessian @ (jacobian @ jacobian.T)
     step = -(jacobian.T @ torch.linalg.solve(system, residual))
     sizes = [p.numel() for p in params.values()]
     return {name: piece.view(p.shape) for (name, p), piece in zip(params.items(), step.split(sizes))}
@@ -594,7 +960,7 @@ def conjugate_gradient(matvec: Callable[[torch.Tensor], torch.Tensor], b: torch.
             length of b, since rounding can slow convergence past the length that exact arithmetic needs).
 
     Returns:
-        x, shaped like b.
+        x, shaped like b. Memory: four vectors shaped like b, besides what matvec holds.
 
     Raises:
         ValueError: if A shows a direction of non-positive curvature.
@@ -633,7 +999,8 @@ def conjugate_gradient(matvec: Callable[[torch.Tensor], torch.Tensor], b: torch.
 
 @_gradients_enabled
 def influence_scores(model: nn.Module, loss_fn: Callable[..., torch.Tensor], train_inputs: Any, train_targets: Any, test_inputs: Any, test_targets: Any, *,
-                     damping: float, tol: float = 1e-10, max_iterations: int | None = None) -> torch.Tensor:
+                     damping: float, tol: float = 1e-10, max_iterations: int | None = None,
+                     max_memory: float = _MAX_MEMORY) -> torch.Tensor:
     r"""Each training example's first-order effect on the test loss, ``w * g_test^T (H + damping I)^{-1} g_i``.
 
     The change of ``loss_fn(model(test_inputs), test_targets)`` when example i's term is removed from the
@@ -643,13 +1010,16 @@ def influence_scores(model: nn.Module, loss_fn: Callable[..., torch.Tensor], tra
 
     Args:
         model, loss_fn: as in :func:`empirical_fisher_vp`.
-        train_inputs, train_targets: the N training examples.
-        test_inputs, test_targets: the test batch.
+        train_inputs, train_targets: the N training examples (a batch, or an iterable of batches with
+            ``train_targets=None``).
+        test_inputs, test_targets: the test examples (likewise).
         damping (float): added to H; must make it positive definite.
         tol, max_iterations: as in :func:`conjugate_gradient`.
+        max_memory (float): as in :func:`empirical_fisher_vp`: the per-example gradients come in chunks.
 
     Returns:
-        A (N,) tensor. Memory: the N x P per-example gradients.
+        A (N,) tensor. Memory: a few P-vectors for conjugate gradients, one batch's gradient graph, and
+        per-example gradients of at most ``max_memory / (2 P * itemsize)`` examples at a time.
 
     Example::
 
@@ -669,18 +1039,18 @@ def influence_scores(model: nn.Module, loss_fn: Callable[..., torch.Tensor], tra
     """
     if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or damping < 0:
         raise ValueError(f"damping must be a non-negative number, got {damping!r}")
-    params = _trainable(model, train_inputs, train_targets)
-    _trainable(model, test_inputs, test_targets)
+    params, train = _trainable(model, loss_fn, train_inputs, train_targets, "train_inputs")
+    _, test = _trainable(model, loss_fn, test_inputs, test_targets, "test_inputs")
+    _check_max_memory(max_memory)
     sizes = [p.numel() for p in params.values()]
     flatten = lambda d: torch.cat([d[n].reshape(-1) for n in params])
-    hvp = _hvp_operator(model, loss_fn, train_inputs, train_targets, params)
-    test_gradient = flatten(grad(_loss_of_params(model, loss_fn, test_inputs, test_targets))(params))
+    hvp = _data_hvp(model, loss_fn, train, params)
+    test_gradient = sum(c * flatten(grad(_loss_of_params(model, loss_fn, x, t))(params)) for x, t, c in test)
 
     def damped_hvp(vector):
         pieces = {n: piece.view(p.shape) for (n, p), piece in zip(params.items(), vector.split(sizes))}
         return flatten(hvp(pieces)) + damping * vector
 
     solution = conjugate_gradient(damped_hvp, test_gradient, tol=tol, max_iterations=max_iterations)
-    loss_of_one, weight = _per_example(model, loss_fn, train_inputs, train_targets, params)
-    per_example = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, train_inputs, train_targets)
-    return weight * torch.cat([per_example[n].flatten(1) for n in params], dim=1) @ solution
+    return torch.cat([c * weight * torch.cat([g[n].flatten(1) for n in params], dim=1) @ solution
+                      for c, weight, g in _per_example_gradients(model, loss_fn, train, params, max_memory)])
