@@ -114,7 +114,9 @@ def _loop_jacobian(forward, trainable, batch, out, total):
 def _output_rows(output, batch):
     if not isinstance(output, torch.Tensor) or output.dim() != 2 or output.shape[0] != batch:
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-        raise ValueError(f"output_jacobian needs a model whose output is (B, Y); for a batch of {batch} it returned {shape}")
+        raise ValueError(f"output_jacobian needs a model whose output is (B, Y); for a batch of {batch} it returned {shape}: "
+                         "pass select=, a function of the output that returns the (B, Y) tensor to differentiate "
+                         "(for a Hugging Face ModelOutput, say, select=lambda out: out.logits)")
 
 
 def _result_buffer(out, batch, n_out, total, like):
