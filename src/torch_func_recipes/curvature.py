@@ -815,10 +815,11 @@ def top_hessian_eigenvalues(model: nn.Module, loss_fn: Callable[..., torch.Tenso
 
     Block Lanczos: an orthonormal basis of the block Krylov space ``{V, HV, H^2 V, ...}`` of a random start
     block V of ``block_size`` vectors (reorthogonalised in full), the Hessian in that basis (Rayleigh-Ritz),
-    and its eigenpairs; each block's products run as one batched backward pass. An eigenvalue repeated up to
-    ``block_size`` times among the top k is found as often as it occurs (one start vector finds it once).
-    Convergence is not guaranteed: read the residuals. With ``iterations = P`` the basis spans every
-    direction and the values are exact up to rounding.
+    and its eigenpairs; each block's products run as one batched backward pass. Once converged, an eigenvalue
+    repeated up to ``block_size`` times among the top k appears as often as it occurs (from one start vector,
+    once). Convergence is not guaranteed: each value lies within its residual of a true eigenvalue, so read
+    the residuals. With ``iterations = P`` the basis spans every direction and the values are exact up to
+    rounding.
 
     Args:
         model, loss_fn, inputs, targets: as in :func:`empirical_fisher_vp`.
