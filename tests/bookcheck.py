@@ -81,3 +81,29 @@ def figure_problems(nb_path: Path) -> list[str]:
         if _has_plot(cell) and missing:
             problems.append(f"{nb_path.name} cell {index}: its plot lacks " + ", ".join(missing))
     return problems
+
+
+def site_chapter_numbers(toc_path: Path = ROOT / "_toc.yml") -> dict[str, int]:
+    """{file stem: chapter number on the site}: Jupyter Book numbers the chapters of the parts marked
+    `numbered: true` in _toc.yml, in order, continuing from one numbered part to the next."""
+    toc, numbers = yaml.safe_load(toc_path.read_text()), {}
+    for part in toc.get("parts", []):
+        if part.get("numbered"):
+            for chapter in part["chapters"]:
+                numbers[Path(chapter["file"]).name] = len(numbers) + 1
+    return numbers
+
+
+def chapter_number_problems(text: str, numbers: dict[str, int], where: str) -> list[str]:
+    """Every "Chapter N" in text that is not the link text of the site's chapter N: the site numbers the
+    chapters by their place in _toc.yml, not by their file names, so a page refers to another by a link
+    with its title (or, if it must say a number, "[Chapter N](file.ipynb)" with the site's N)."""
+    problems = []
+    links = {m.start(): m for m in re.finditer(r"\[Chapter (\d+)\]\((\d\d_[a-z_]+)\.ipynb\)", text)}
+    for m in re.finditer(r"Chapters? \d+", text):
+        link = links.get(m.start() - 1)
+        if link is None:
+            problems.append(f"{where}: '{m.group(0)}' is not a link to the site's chapter of that number")
+        elif numbers.get(link.group(2)) != int(link.group(1)):
+            problems.append(f"{where}: '{link.group(0)}' links to the site's chapter {numbers.get(link.group(2))}")
+    return problems

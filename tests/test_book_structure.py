@@ -10,7 +10,7 @@ import sys
 import nbformat
 import pytest
 
-from bookcheck import BOOK, ROOT, execution_problems, figure_problems, local_import_problems, notebooks
+from bookcheck import BOOK, ROOT, chapter_number_problems, execution_problems, figure_problems, local_import_problems, notebooks, site_chapter_numbers
 from scripts import read_time
 
 PAGES = sorted(BOOK.glob("*.md"))
@@ -24,6 +24,26 @@ def test_every_page_is_a_pair():
 def test_stored_notebook(nb_path):
     """Executed in order with no stray error or stderr, self-contained, and every measurement plotted."""
     assert execution_problems(nb_path) + local_import_problems(nb_path) + figure_problems(nb_path) == []
+
+
+def test_every_chapter_number_is_the_sites():
+    """The site numbers chapters by their place in _toc.yml (Real models is 5, Curvature 6), not by file name:
+    no page, and no docstring of the package that the pages copy, writes "Chapter N" except as the link
+    text of the site's chapter N; pages refer to each other by links with their titles."""
+    numbers = site_chapter_numbers()
+    assert numbers["11_real_models"] == 5 and numbers["10_curvature"] == 6 and len(numbers) == 9
+    sources = PAGES + sorted((ROOT / "src").rglob("*.py")) + sorted((BOOK / "_shared").glob("*.py"))
+    problems = [p for path in sources for p in chapter_number_problems(path.read_text(), numbers, path.name)]
+    assert problems == []
+
+
+def test_the_chapter_number_check_catches_a_file_number():
+    numbers = site_chapter_numbers()
+    assert chapter_number_problems("as [Real models](11_real_models.ipynb) shows", numbers, "ok") == []
+    assert chapter_number_problems("as [Chapter 5](11_real_models.ipynb) shows", numbers, "ok") == []
+    assert chapter_number_problems("as Chapter 11 shows", numbers, "bare") == ["bare: 'Chapter 11' is not a link to the site's chapter of that number"]
+    assert chapter_number_problems("see [Chapter 11](11_real_models.ipynb)", numbers, "file number") == [
+        "file number: '[Chapter 11](11_real_models.ipynb)' links to the site's chapter 5"]
 
 
 # --- the checks catch what they guard -------------------------------------------------------

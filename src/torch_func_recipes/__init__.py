@@ -3,17 +3,17 @@
 Every function here is the one a chapter teaches in a cell tagged `recipe`, unchanged
 (tests/test_package.py checks that the two stay identical):
 
-- transforms (Chapters 1 and 2): pairwise, jacobian_via_vjp, hvp
-- per_sample (Chapters 3 and 11): per_sample_grads, clip_and_noise, noised_mean, per_sample_grad_norms,
+- transforms ("`vmap` basics", "Jacobians and Hessians"): pairwise, jacobian_via_vjp, hvp
+- per_sample ("Per-sample gradients", "Real models"): per_sample_grads, clip_and_noise, noised_mean, per_sample_grad_norms,
   clipped_noisy_gradient, clipped_grad_sum
-- output_jacobians (Chapter 4): output_jacobian, split_by_parameter, empirical_ntk
-- ensembles (Chapter 5): stack_models
-- curvature (Chapter 10): param_hvp, ggn_vp, empirical_fisher_vp, ggn_diagonal, hessian_trace,
+- output_jacobians ("Output-wise Jacobians"): output_jacobian, split_by_parameter, empirical_ntk
+- ensembles ("Model ensembling"): stack_models
+- curvature ("Curvature"): param_hvp, ggn_vp, empirical_fisher_vp, ggn_diagonal, hessian_trace,
   hessian_diagonal, top_hessian_eigenvalues (returning Eigenpairs), gauss_newton_step, conjugate_gradient,
   influence_scores
-- migration (Chapter 12): named_like_parameters
+- migration ("Migrating from functorch"): named_like_parameters
 - PathReport, which path a recipe call took ("fast", "vmap", "unroll" or "loop") and why (from the private
-  _trace module, shared by Chapters 3, 4 and 11)
+  _trace module, shared by the per-example recipes)
 """
 
 from ._trace import PathReport

@@ -1,4 +1,4 @@
-"""The fast path's rule for nn.Embedding's weight (Chapter 11's norms).
+"""The fast path's rule for nn.Embedding's weight (per_sample_grad_norms).
 
 Each example's gradient of the table adds the output gradients of its positions row by row (ids
 that repeat add up), so its squared norm sums g_s . g_t over the pairs of positions s, t with the

@@ -1,4 +1,4 @@
-"""The fast path's rule for nn.LayerNorm's weight and bias (Chapter 11's norms).
+"""The fast path's rule for nn.LayerNorm's weight and bias (per_sample_grad_norms).
 
 Each example's gradient of the weight is the sum over its positions of g * x_hat, of the bias the sum
 of g, where x_hat is the input normalised within each row. Registered in _layers; also copied,

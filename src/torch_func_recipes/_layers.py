@@ -3,9 +3,9 @@
 A _LayerRule covers the trainable weight and bias of one kind of layer (the module types in `modules`).
 It tells the trace (_trace._BatchTrace) how to recognise the ATen operations that use those parameters
 (`record`, for the operations in `ops`) and computes, from the layer's recorded input and its output
-gradient, what the recipes need: each example's gradient (`per_example_grads`, Chapter 3), each
-example's rows of the output Jacobian (`jacobian_rows`, Chapter 4) and each example's squared gradient
-norm (`squared_norms`, Chapter 11). A rule that lacks one of them is not used by that recipe.
+gradient, what the recipes need: each example's gradient (`per_example_grads`), each
+example's rows of the output Jacobian (`jacobian_rows`) and each example's squared gradient
+norm (`squared_norms`). A rule that lacks one of them is not used by that recipe.
 
 The trace confirms every rule at run time: a parameter may be used by one operation only, the one its
 owning module's rule recognises (keyed by the module's type), or the fast path steps aside. Adding a

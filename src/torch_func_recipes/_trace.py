@@ -1,4 +1,4 @@
-"""The fast path's trace, shared by Chapters 3, 4 and 11 (per-sample gradients, output Jacobians, norms).
+"""The fast path's trace, shared by the per-sample gradients, the output Jacobians and the norms.
 
 _BatchTrace follows the examples through every ATen operation of one forward pass and records the
 linear and convolution layers whose per-example products give the gradients; PathReport says which

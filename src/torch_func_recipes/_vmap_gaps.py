@@ -1,4 +1,4 @@
-"""What stands in for vmap where it cannot run a model, shared by Chapters 3, 4 and 11.
+"""What stands in for vmap where it cannot run a model, shared by the per-example recipes.
 
 _unrolled_stand_in builds a stand-in for a model whose nn.RNN/GRU/LSTM layers compute step by step
 under vmap (the model itself is never written to); _with_fallbacks is the one driver that picks vmap,

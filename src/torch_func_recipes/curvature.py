@@ -1,4 +1,4 @@
-"""Chapter 10: curvature of the loss in the parameters, without P x P matrices.
+"""Curvature of the loss in the parameters, without P x P matrices.
 
 Hessian-, Gauss-Newton- and empirical-Fisher-vector products, the exact Gauss-Newton diagonal,
 Hutchinson's trace and diagonal estimates, block Lanczos for the top Hessian eigenpairs, a damped
@@ -938,7 +938,7 @@ def gauss_newton_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], in
         loss_of_outputs = lambda o, t=t, c=c: c * _scalar(loss_fn(o, t))
         residuals.append(grad(loss_of_outputs)(outputs).reshape(n))
         # jacrev of grad: the composition that is right through every layer (torch.func.hessian, jacfwd of
-        # jacrev, is wrong through a LayerNorm in torch 2.13; see Chapter 2)
+        # jacrev, is wrong through a LayerNorm in torch 2.13; see "Jacobians and Hessians")
         hessians.append(jacrev(grad(loss_of_outputs))(outputs).reshape(n, n))
     one = len(jacobians) == 1  # one batch: no copy of its Jacobian
     jacobian, residual = (jacobians[0], residuals[0]) if one else (torch.cat(jacobians), torch.cat(residuals))

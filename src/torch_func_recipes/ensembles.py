@@ -1,4 +1,4 @@
-"""Chapter 5: stack_models, M models of one architecture run as one vmapped function."""
+"""stack_models ("Model ensembling"), M models of one architecture run as one vmapped function."""
 
 from __future__ import annotations
 

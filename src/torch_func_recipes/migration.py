@@ -1,4 +1,4 @@
-"""Chapter 12: named_like_parameters, from functorch's tuple of tensors to the dict torch.func uses."""
+"""named_like_parameters ("Migrating from functorch"), from functorch's tuple of tensors to the dict torch.func uses."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Chapter 4: output_jacobian (B, Y, P), split_by_parameter and the empirical NTK."""
+"""output_jacobian (B, Y, P), split_by_parameter and the empirical NTK."""
 
 from __future__ import annotations
 

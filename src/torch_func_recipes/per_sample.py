@@ -1,7 +1,7 @@
 """Per-sample gradients and DP-SGD steps.
 
-Chapter 3: per_sample_grads (the fast path where a trace shows it exact, else vmap(grad), the unroll
-or the loop) and clip_and_noise. Chapter 11: per_sample_grad_norms (the norms without the (B, P)
+"Per-sample gradients" (book/03): per_sample_grads (the fast path where a trace shows it exact, else vmap(grad), the unroll
+or the loop) and clip_and_noise. "Real models" (book/11): per_sample_grad_norms (the norms without the (B, P)
 gradients) and clipped_noisy_gradient (the DP-SGD step from those norms).
 """
 
@@ -356,7 +356,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
             raise ValueError(f"the fast path does not apply: {reason}")
         layers = {} if path == "loop" else _covered_linear_layers(model, batch, trainable)
         streamed = [n for n in trainable if all(n not in own for _, own, _ in layers.values())]
-        # Chapter 3's driver: the path asked for, or recurrent layers step by step under vmap; where vmap raises, the loop
+        # per_sample_grads' driver: the path asked for, or recurrent layers step by step under vmap; where vmap raises, the loop
         (squares, ghost, direct), how = _with_fallbacks(
             model, batch, path, lambda module: _squared_norms_by_vmap(module, loss_fn, batch, layers, streamed, chunk_size),
             lambda: (_squared_norms_by_loop(model, loss_fn, batch, trainable), [], []), reason)
@@ -513,7 +513,7 @@ def clipped_noisy_gradient(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs |
                            report: bool = False, **keyword_inputs: Any) -> _Grads | tuple[_Grads, PathReport]:
     r"""One DP-SGD step's gradient in one call, without any ``(B, *shape)`` tensor:
     ``(sum_i min(1, max_norm / (n_i + 1e-6)) * g_i + N(0, (noise_multiplier * max_norm)^2)) / B``,
-    the arithmetic of Chapter 3's :func:`clip_and_noise`.
+    the arithmetic of :func:`clip_and_noise`.
 
     The clipped sum is :func:`clipped_grad_sum`'s (each example's norm and gradient from the same forward
     pass, so dropout's masks agree and each example adds at most ``max_norm``), then the noise
@@ -675,7 +675,7 @@ def _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size
 
 def _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason):
     """The gradient of sum_i weights[i] * loss_i, each loss on a batch of one, and its PathReport: under vmap
-    (Chapter 3's driver: the path asked for, or recurrent layers unrolled), else, where that raised, one
+    (per_sample_grads' driver: the path asked for, or recurrent layers unrolled), else, where that raised, one
     example at a time."""
     params = list(trainable.values())
 

@@ -1,4 +1,4 @@
-"""Chapters 1 and 2: pairwise (vmap of vmap), jacobian_via_vjp (vmap over vjp) and hvp (forward-over-reverse)."""
+"""From "`vmap` basics" and "Jacobians and Hessians": pairwise (vmap of vmap), jacobian_via_vjp (vmap over vjp) and hvp (forward-over-reverse)."""
 
 from __future__ import annotations
 
