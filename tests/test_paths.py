@@ -17,7 +17,7 @@ PATHS = ("fast", "vmap", "unroll", "loop")
 
 
 class GRUHead(nn.Module):
-    """A GRU, then a head on its last output: vmap cannot run the fused kernel, the unroll can."""
+    """A GRU, then a head on its last output: vmap cannot run the layer's forward (its unbatched initial state), the unroll can."""
 
     def __init__(self):
         super().__init__()
@@ -53,7 +53,7 @@ APPLIES = {"linear": {"fast", "vmap", "loop"}, "GRU": {"unroll", "loop"}, "item"
 REFUSALS = {("linear", "unroll"): (ValueError, "nn.RNN, nn.GRU or nn.LSTM"),
             ("item", "unroll"): (ValueError, "nn.RNN, nn.GRU or nn.LSTM"),
             ("GRU", "fast"): (ValueError, "the fast path does not apply: parameter rnn.weight_ih_l0 belongs to GRU"),
-            ("GRU", "vmap"): (RuntimeError, ""),  # vmap's own error, from the fused kernel
+            ("GRU", "vmap"): (RuntimeError, ""),  # vmap's own error, from the unbatched initial state
             ("item", "vmap"): (RuntimeError, ""),  # vmap's own error, from .item()
             ("item", "fast"): (ValueError, "the fast path does not apply: ")}
 

@@ -188,8 +188,8 @@ def _with_fallbacks(model, batch, path, run_vmap, run_loop, reason):
     on a stand-in whose nn.RNN/GRU/LSTM layers compute step by step (_unrolled_stand_in; the model
     itself is never changed); a ValueError if there are none or they refuse the input, any other error
     raised. "auto": the path is decided from the model's modules before anything runs: the unroll where
-    the model has such layers (their fused kernels fail under vmap, so plain vmap is not tried), else
-    plain vmap. The loop runs only after that raised, whatever the error (no message is inspected), and
+    the model has such layers (their forward makes an unbatched initial state, which fails under vmap on
+    the CPU, and cuDNN's kernel fails on a GPU, so plain vmap is not tried), else plain vmap. The loop runs only after that raised, whatever the error (no message is inspected), and
     the report says what was raised; if the loop raises too, its error is raised, chained to vmap's
     (__cause__). reason: why no faster path ran, kept in the report of the vmap path.
     """
@@ -206,7 +206,8 @@ def _with_fallbacks(model, batch, path, run_vmap, run_loop, reason):
             return run_vmap(model), PathReport("vmap", reason)
         result = run_vmap(_unrolled_stand_in(model, layers))
         names = ", ".join(f"{type(m).__name__} {n or '(the model)'}" for n, m in layers)
-        return result, PathReport("unroll", f"computed step by step under vmap, which cannot run the fused recurrent kernel: {names}")
+        return result, PathReport("unroll", f"computed step by step under vmap, which cannot run the layer's own forward "
+                                   f"(it makes an unbatched initial state): {names}")
     except _CannotUnroll as refusal:
         if path == "unroll":
             raise ValueError(f"the unroll does not apply: {refusal}") from None
