@@ -187,11 +187,12 @@ def _with_fallbacks(model, batch, path, run_vmap, run_loop, reason):
     path "vmap": run_vmap(model) alone, errors raised. "loop": run_loop() alone. "unroll": run_vmap
     on a stand-in whose nn.RNN/GRU/LSTM layers compute step by step (_unrolled_stand_in; the model
     itself is never changed); a ValueError if there are none or they refuse the input, any other error
-    raised. "auto": the path is decided from the model's modules before anything runs: the unroll where
-    the model has such layers (their forward makes an unbatched initial state, which fails under vmap on
-    the CPU, and cuDNN's kernel fails on a GPU, so plain vmap is not tried), else plain vmap. The loop runs only after that raised, whatever the error (no message is inspected), and
-    the report says what was raised; if the loop raises too, its error is raised, chained to vmap's
-    (__cause__). reason: why no faster path ran, kept in the report of the vmap path.
+    raised. "auto": the path is decided from the model's modules before anything runs: the unroll where the
+    model has such layers (their forward makes an unbatched initial state, which fails under vmap on the CPU,
+    and cuDNN's kernel fails on a GPU, so plain vmap is not tried), else plain vmap. The loop runs only after
+    that raised, whatever the error (no message is inspected), and the report says what was raised; if the
+    loop raises too, its error is raised, chained to vmap's (__cause__). reason: why no faster path ran, kept
+    in the report of the vmap path.
     """
     _check_examples_apart(model, batch)
     if path == "loop":
