@@ -156,9 +156,6 @@ class _Data:
             raise ValueError(f"the data gave batches of {self.sizes} examples on its first pass and {sizes} on a later "
                              "one: the curvature recipes need the same data on every pass")
 
-    def largest(self) -> int:
-        return max(self.sizes)
-
 
 def _trainable(model, loss_fn, inputs, targets, name="inputs"):
     """The curvature recipes' one check of the model and the data (the package's validator, with random modules in
