@@ -107,3 +107,82 @@ def chapter_number_problems(text: str, numbers: dict[str, int], where: str) -> l
         elif numbers.get(link.group(2)) != int(link.group(1)):
             problems.append(f"{where}: '{link.group(0)}' links to the site's chapter {numbers.get(link.group(2))}")
     return problems
+
+
+# --- the answer on the first screen ------------------------------------------------------------
+
+FIRST_SCREEN_LINES = 40
+# What answers each numbered chapter's question: a visible code cell whose source matches the pattern and
+# that has output (the result); for the error gallery, a lookup page, its table of messages (Markdown).
+# Each must end within FIRST_SCREEN_LINES rendered lines after the goals box.
+ANSWERS = {
+    "01_vmap_basics": r"\bvmap\(",
+    "02_jacobians_hessians": r"\bjacrev\(",
+    "03_per_sample_gradients": r"\bvmap\(grad\(",
+    "04_output_jacobians": r"\bvmap\(jacrev\(",
+    "11_real_models": r"\bper_sample_grads\(",
+    "10_curvature": r"\bjvp\(grad\(",
+    "05_model_ensembling": r"\bvmap\(",
+    "06_error_gallery": r"^\| The message starts with",
+    "07_compile_with_transforms": r"torch\.compile\(vmap\(",
+    "14_training_loops": r"\bvmap\(",
+}
+MARKDOWN_ANSWERS = {"06_error_gallery"}  # lookup pages: a table of questions or messages
+_FOLDED = {"hide-input", "hide-cell", "remove-input", "remove-cell"}
+_WIDTH = 110  # characters a rendered line holds (the book's Markdown and code are wrapped at about 100)
+
+
+def _lines(text: str) -> int:
+    """Rendered lines of text: blank lines are free, a long line takes as many as it wraps into, and a
+    Markdown link counts its text only (its target is not shown)."""
+    text = re.sub(r"\]\([^)\s]*\)", "]", text)
+    return sum(-(-len(line) // _WIDTH) for line in text.splitlines() if line.strip())
+
+
+def rendered_lines(cell) -> int:
+    """About how many lines a cell takes on the site: its visible source (a folded cell shows one line, its
+    toggle), and its outputs (a figure counts as 15 lines, a folded output as one)."""
+    tags = set(cell.metadata.get("tags", []))
+    if cell.cell_type == "markdown":
+        return _lines(cell.source)
+    count = 1 if tags & _FOLDED else _lines(cell.source)
+    if "remove-output" in tags or "remove-cell" in tags:
+        return count
+    if "hide-output" in tags:
+        return count + 1
+    for output in cell.get("outputs", []):
+        data = output.get("data", {})
+        if "image/png" in data or "image/svg+xml" in data:
+            count += 15
+        else:
+            text = output.get("text") or data.get("text/plain") or "\n".join(output.get("traceback", []))
+            count += _lines(text if isinstance(text, str) else "".join(text))
+    return count
+
+
+def first_screen_problems(nb, pattern: str, name: str, *, markdown: bool = False) -> list[str]:
+    """The answer within FIRST_SCREEN_LINES rendered lines after the goals box (the first admonition): the
+    first visible code cell with output whose source matches pattern (a Markdown cell, if markdown)."""
+    cells = nb.cells
+    start = next((i for i, c in enumerate(cells) if c.cell_type == "markdown" and "{admonition}" in c.source), None)
+    if start is None:
+        return [f"{name}: no goals box (an admonition) to count from"]
+    goals = cells[start].source
+    tail = goals[goals.index(":::", goals.index("{admonition}") + 12) + 3:] if goals.count(":::") >= 2 else ""
+    used = _lines(tail)
+    if markdown and re.search(pattern, tail, re.MULTILINE):  # the answer is in the goals' cell, after the box
+        return [] if used <= FIRST_SCREEN_LINES else [f"{name}: the answer ends {used} rendered lines after the goals"]
+    for index in range(start + 1, len(cells)):
+        cell = cells[index]
+        used += rendered_lines(cell)
+        if markdown:
+            shown = cell.cell_type == "markdown"
+        else:
+            shown = cell.cell_type == "code" and cell.get("outputs") and not _FOLDED & set(cell.metadata.get("tags", []))
+        answer = shown and re.search(pattern, cell.source, re.MULTILINE)
+        if answer:
+            if used > FIRST_SCREEN_LINES:
+                return [f"{name}: the answer (cell {index}) ends {used} rendered lines after the goals, "
+                        f"more than {FIRST_SCREEN_LINES}: move the set-up and the tools after it"]
+            return []
+    return [f"{name}: no cell matches {pattern!r} with a result"]

@@ -10,7 +10,19 @@ import sys
 import nbformat
 import pytest
 
-from bookcheck import BOOK, ROOT, chapter_number_problems, execution_problems, figure_problems, local_import_problems, notebooks, site_chapter_numbers
+from bookcheck import (
+    ANSWERS,
+    BOOK,
+    MARKDOWN_ANSWERS,
+    ROOT,
+    chapter_number_problems,
+    execution_problems,
+    figure_problems,
+    first_screen_problems,
+    local_import_problems,
+    notebooks,
+    site_chapter_numbers,
+)
 from scripts import read_time
 
 PAGES = sorted(BOOK.glob("*.md"))
@@ -44,6 +56,35 @@ def test_the_chapter_number_check_catches_a_file_number():
     assert chapter_number_problems("as Chapter 11 shows", numbers, "bare") == ["bare: 'Chapter 11' is not a link to the site's chapter of that number"]
     assert chapter_number_problems("see [Chapter 11](11_real_models.ipynb)", numbers, "file number") == [
         "file number: '[Chapter 11](11_real_models.ipynb)' links to the site's chapter 5"]
+
+
+@pytest.mark.parametrize("stem", sorted(ANSWERS))
+def test_the_answer_is_on_the_first_screen(stem):
+    """Within the first 40 rendered lines after its goals, each chapter shows the call that answers its question,
+    with its result; the set-up and the tools come after it."""
+    nb = nbformat.read(BOOK / f"{stem}.ipynb", as_version=4)
+    assert first_screen_problems(nb, ANSWERS[stem], stem, markdown=stem in MARKDOWN_ANSWERS) == []
+
+
+def test_every_numbered_chapter_names_its_answer():
+    assert set(ANSWERS) == set(site_chapter_numbers())
+
+
+def test_the_first_screen_check_catches_a_late_or_hidden_answer():
+    goals = nbformat.v4.new_markdown_cell("# A chapter\n\n:::{admonition} What you will learn\n- vmap\n:::")
+    answer = nbformat.v4.new_code_cell("print(vmap(f)(x))", outputs=[nbformat.v4.new_output("stream", name="stdout", text="tensor([1.])\n")])
+    prose = nbformat.v4.new_markdown_cell("\n".join(f"Line {i} of set-up prose." for i in range(36)))
+    early = nbformat.v4.new_notebook(cells=[goals, prose, answer])
+    assert first_screen_problems(early, r"vmap\(", "early") == []
+    late = nbformat.v4.new_notebook(cells=[goals, prose, nbformat.v4.new_code_cell("import torch\nimport math\nx = 1"), answer])
+    assert first_screen_problems(late, r"vmap\(", "late") == [
+        "late: the answer (cell 3) ends 41 rendered lines after the goals, more than 40: move the set-up and the tools after it"]
+    no_result = nbformat.v4.new_notebook(cells=[goals, nbformat.v4.new_code_cell("vmap(f)(x)")])
+    hidden = nbformat.v4.new_notebook(cells=[goals, nbformat.v4.new_code_cell(
+        answer.source, outputs=answer.outputs, metadata={"tags": ["hide-input"]})])
+    prose_only = nbformat.v4.new_notebook(cells=[goals, nbformat.v4.new_markdown_cell("Call `vmap(f)(x)`.")])
+    for nb in (no_result, hidden, prose_only):
+        assert first_screen_problems(nb, r"vmap\(", "x") == ["x: no cell matches 'vmap\\\\(' with a result"]
 
 
 # --- the checks catch what they guard -------------------------------------------------------

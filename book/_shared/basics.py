@@ -7,6 +7,10 @@ from typing import Any  # noqa: F401
 import torch
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# TensorFloat-32 would round float32 matrix products on recent GPUs to about 3 digits; the book's float32
+# checks need full float32 (no effect on a CPU).
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
 # Messages PyTorch prints about its own set-up, dropped by their exact text so nothing else is hidden:
 # the first backward pass on a GPU sets up cuBLAS's context; torch 2.14 says, on the first forward-mode
 # call, that it uses the deprecated torch.jit.script inside.
