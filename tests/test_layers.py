@@ -24,11 +24,13 @@ def loop_grads(model, x, t):
 
 
 def test_each_kind_has_its_module_and_says_what_it_provides():
-    assert sorted(_RULES) == ["conv", "embedding", "layer_norm", "linear"]
-    assert {rule.kind for rule in _rules_for("grads")} == {rule.kind for rule in _rules_for("jacobian")} == {"conv", "linear"}
-    assert {rule.kind for rule in _rules_for("norms")} == set(_RULES)
-    for rule in _RULES.values():
-        assert rule.modules and rule.ops and type(rule).__module__ == f"torch_func_recipes._layer_{rule.kind.replace('layer_', '')}"
+    assert sorted(_RULES) == ["conv", "embedding", "hf_conv1d", "layer_norm", "linear"]
+    assert all({rule.kind for rule in _rules_for(need)} == set(_RULES) for need in ("grads", "jacobian", "norms"))
+    for rule in _RULES.values():  # transformers' Conv1D is looked up only once transformers is imported
+        assert (rule.modules or rule.kind == "hf_conv1d") and rule.ops
+        assert type(rule).__module__ == f"torch_func_recipes._layer_{rule.kind.replace('layer_', '')}"
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    assert _RULES["hf_conv1d"].modules == (pytorch_utils.Conv1D,)
     with pytest.raises(ValueError, match="need must be one of"):
         _rules_for("hessian")
     with pytest.raises(ValueError, match="a kind of its own"):
@@ -51,7 +53,7 @@ def test_the_owner_check_is_what_refuses():
     model = OnlyAsTable().double()
     model.lin.bias.requires_grad_(False)  # lin's bias is unused: keep it out of the trainable set
     norms, how = per_sample_grad_norms(model, F.cross_entropy, X, T, report=True)
-    assert how.path == "vmap" and how.reason.startswith("parameter lin.weight is used by a embedding operation"), how.reason
+    assert how.path == "vmap" and how.reason.startswith("parameter lin.weight is used by aten.embedding.default under the embedding rule"), how.reason
     assert how.reason.endswith("but its module's rule is linear")
     expected = torch.cat([g.flatten(1) for n, g in loop_grads(model, X, T).items() if n != "lin.bias"], 1).norm(dim=1)
     assert torch.allclose(norms, expected, rtol=1e-10)

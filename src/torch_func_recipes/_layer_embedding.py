@@ -1,8 +1,11 @@
-"""The fast path's rule for nn.Embedding's weight (per_sample_grad_norms).
+"""The fast path's rule for nn.Embedding's weight (every recipe with a fast path).
 
 Each example's gradient of the table adds the output gradients of its positions row by row (ids
 that repeat add up), so its squared norm sums g_s . g_t over the pairs of positions s, t with the
-same id; the padding row gets no gradient. Registered in _layers; also copied, without this
+same id; the padding row gets no gradient. Only the ids may carry example data. A table looked up with
+ids every example shares (position embeddings) gives a tensor every example shares; the fast path follows
+it to the one addition that broadcasts it over the batch (x + e, nothing else), whose output gradient is
+then each example's gradient of e. Any other use of it stops the fast path. Registered in _layers; also copied, without this
 docstring, into the notebook cells tagged `shared-package` by scripts/build_shared.py:
 edit it here.
 """
@@ -18,21 +21,78 @@ from ._layers import _LayerRule, _register
 class _EmbeddingRule(_LayerRule):
     kind = "embedding"
     modules = (nn.Embedding,)
-    ops = frozenset({torch.ops.aten.embedding.default})
+    ops = frozenset({torch.ops.aten.embedding.default, torch.ops.aten.add.Tensor})
 
     def record(self, trace, func, args, kwargs, result, r, params, transposed):
+        if func is torch.ops.aten.add.Tensor:
+            return self._record_broadcast(trace, func, args, kwargs, result, r)
         if not params or transposed:
             return NotImplemented  # a frozen table: the trace's general rule
         values = trace.values_of(func, args, kwargs)
         w, ids = values["weight"], values["indices"]
-        if trace.param_of(w) is None or trace.r_of(ids) is None or values["scale_grad_by_freq"]:
+        if trace.param_of(w) is None or values["scale_grad_by_freq"]:
             trace.fail(f"{func}: only the indices may carry example data, without scale_grad_by_freq")
+        if trace.r_of(ids) is None:  # ids every example shares: follow the result to its broadcast
+            trace.shared[id(result)] = dict(weight=trace.use(trace.param_of(w), func, self), ids=ids,
+                                            padding_idx=values["padding_idx"], added=False)
+            return None
         trace.layers.append(dict(kind=self.kind, weight=trace.use(trace.param_of(w), func, self), bias=None, a=ids, z=result,
                                  r=trace.r_of(ids), padding_idx=values["padding_idx"], versions=(ids._version, result._version)))
         return trace.r_of(ids)
 
+    def per_example_grads(self, layer, delta, out):
+        table = out[layer["weight"]]  # (B, rows of the table, width)
+        batch, rows = table.shape[0], table.shape[1]
+        ids = self._ids(layer, batch)
+        g = delta.reshape(batch * ids.shape[1], -1)
+        where = (ids + rows * torch.arange(batch, device=ids.device)[:, None]).reshape(-1)  # row of the (B * rows) table
+        if layer["padding_idx"] >= 0:  # PyTorch gives the padding row no gradient
+            real = ids.reshape(-1) != layer["padding_idx"]
+            where, g = where[real], g[real]
+        table.zero_()
+        table.view(batch * rows, -1).index_add_(0, where, g.to(table.dtype))
+
+    def jacobian_rows(self, layer, delta, columns):
+        table = columns[layer["weight"]]  # (B, Y, rows of the table, width)
+        batch, n_out, rows = table.shape[:3]
+        ids = self._ids(layer, batch)  # (B, positions)
+        g = delta.reshape(n_out, batch, ids.shape[1], -1).transpose(0, 1)  # (B, Y, positions, width)
+        where = (torch.arange(batch * n_out, device=ids.device).view(batch, n_out, 1) * rows + ids[:, None, :]).expand(-1, n_out, -1)
+        where, g = where.reshape(-1), g.reshape(where.numel(), -1)
+        if layer["padding_idx"] >= 0:
+            real = ids[:, None, :].expand(-1, n_out, -1).reshape(-1) != layer["padding_idx"]
+            where, g = where[real], g[real]
+        summed = table.new_zeros(batch * n_out * rows, table.shape[-1])  # the columns may be a strided view
+        table.copy_(summed.index_add_(0, where, g.to(table.dtype)).view(table.shape))
+
+    def _record_broadcast(self, trace, func, args, kwargs, result, r):
+        shared = [a for a in args[:2] if isinstance(a, torch.Tensor) and id(a) in trace.shared]
+        if not shared:
+            return NotImplemented
+        e = shared[0]
+        x = args[1] if e is args[0] else args[0]
+        info = trace.shared[id(e)]
+        per_example_shape = tuple(result.shape[1:])
+        # e broadcast over the batch (one lookup for all), or one row of lookups per example (ids of the batch's size)
+        how = ("broadcast" if tuple(e.shape) in (per_example_shape, (1, *per_example_shape)) else
+               "rows" if tuple(e.shape) == tuple(result.shape) and info["ids"].shape[:1] == result.shape[:1] else None)
+        if (how is None or len(shared) > 1 or trace.r_of(x) is None or r != 1 or tuple(x.shape) != tuple(result.shape)
+                or kwargs.get("alpha", 1) != 1 or any(v != 1 for v in args[2:])):
+            trace.fail(f"{func} combines a table lookup every example shares with example data unusually")
+        if info["added"]:
+            trace.fail(f"{func}: the table lookup of {info['weight']} is used twice")
+        info["added"] = True
+        trace.layers.append(dict(kind=self.kind, weight=info["weight"], bias=None, a=info["ids"], z=result, r=1,
+                                 padding_idx=info["padding_idx"], shared=how, versions=(info["ids"]._version, result._version)))
+        return r
+
+    @staticmethod
+    def _ids(layer, batch):
+        """(B, positions) ids of each example: its own, or the ones every example shares."""
+        return layer["a"].reshape(1, -1).expand(batch, -1) if layer.get("shared") == "broadcast" else layer["a"].reshape(batch, -1)
+
     def squared_norms(self, layer, g, batch):
-        ids = layer["a"].reshape(batch, -1)
+        ids = self._ids(layer, batch)
         g = g.reshape(batch, ids.shape[1], -1)
         same = ids[:, :, None] == ids[:, None, :]
         if layer["padding_idx"] >= 0:  # PyTorch gives the padding row no gradient

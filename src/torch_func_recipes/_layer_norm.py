@@ -1,4 +1,4 @@
-"""The fast path's rule for nn.LayerNorm's weight and bias (per_sample_grad_norms).
+"""The fast path's rule for nn.LayerNorm's weight and bias (every recipe with a fast path).
 
 Each example's gradient of the weight is the sum over its positions of g * x_hat, of the bias the sum
 of g, where x_hat is the input normalised within each row. Registered in _layers; also copied,
@@ -33,6 +33,26 @@ class _LayerNormRule(_LayerRule):
                                  bias=trace.use(trace.param_of(b), func, self), a=x, z=result[0], r=trace.r_of(x),
                                  shape=list(shape), eps=values["eps"], versions=(x._version, result[0]._version)))
         return trace.r_of(x)
+
+    def per_example_grads(self, layer, delta, out):
+        size = math.prod(layer["shape"])
+        batch = layer["a"].shape[0] // layer["r"]
+        g = delta.reshape(batch, -1, size)
+        if layer["weight"] is not None:
+            x_hat = F.layer_norm(layer["a"].detach(), layer["shape"], eps=layer["eps"]).reshape(batch, -1, size)
+            torch.sum(g * x_hat, dim=1, out=out[layer["weight"]].view(batch, size))
+        if layer["bias"] is not None:
+            torch.sum(g, dim=1, out=out[layer["bias"]].view(batch, size))
+
+    def jacobian_rows(self, layer, delta, columns):
+        size, n_out = math.prod(layer["shape"]), delta.shape[0]
+        batch = layer["a"].shape[0] // layer["r"]
+        g = delta.reshape(n_out, batch, -1, size)  # (Y, B, positions, size)
+        if layer["weight"] is not None:
+            x_hat = F.layer_norm(layer["a"].detach(), layer["shape"], eps=layer["eps"]).reshape(batch, -1, size)
+            columns[layer["weight"]].copy_((g * x_hat).sum(2).transpose(0, 1).reshape(columns[layer["weight"]].shape))
+        if layer["bias"] is not None:
+            columns[layer["bias"]].copy_(g.sum(2).transpose(0, 1).reshape(columns[layer["bias"]].shape))
 
     def squared_norms(self, layer, g, batch):
         size = math.prod(layer["shape"])

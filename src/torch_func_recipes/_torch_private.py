@@ -58,7 +58,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                None, None),
     PrivateAPI("torch.utils._pytree.tree_flatten", "import", ("_batch._Batch._leaves", "_batch._Batch.tensors", "_batch._as_batch",
                                                                "_batch._check_examples_apart", "_batch._gradients_enabled.run",
-                                                               "_trace._BatchTrace.__torch_dispatch__", "_trace._BatchTrace.rule"),
+                                                               "_trace._traced_forward"),
                "flattens an operator's nested arguments and results, a batch's nested inputs and targets, and a model's "
                "nested outputs, as torch's own dispatch code and vmap do, and torch has no public pytree module",
                None, None),
@@ -111,11 +111,12 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "the names of every layer's and direction's weights in the fused kernel's order (projections and "
                "bias=False included), read by name so that functional_call's tensors are the ones used",
                None, lambda: nn.LSTM(1, 2, num_layers=2, bidirectional=True, proj_size=1)),
-    PrivateAPI("OpOverload._schema", "object attribute", ("_trace._BatchTrace.__torch_dispatch__", "_trace._BatchTrace.values_of"),
+    PrivateAPI("OpOverload._schema", "object attribute", ("_trace._BatchTrace.values_of", "_trace._writes"),
                "the operator's schema names its arguments with their defaults and says which ones it writes into; "
                "the public OpOverload attributes (name(), tags) do not",
                None, lambda: torch.ops.aten.add_.Tensor),
-    PrivateAPI("Tensor._version", "object attribute", ("_layer_conv._ConvRule.record", "_layer_embedding._EmbeddingRule.record",
+    PrivateAPI("Tensor._version", "object attribute", ("_layer_conv._ConvRule.record", "_layer_embedding._EmbeddingRule._record_broadcast",
+                                                       "_layer_embedding._EmbeddingRule.record", "_layer_hf_conv1d._HFConv1DRule.record",
                                                        "_layer_linear._LinearRule.record", "_layer_norm._LayerNormRule.record",
                                                        "_trace._traced_forward"),
                "the version counter is the only record that an in-place operation changed a layer's input or output "
@@ -133,6 +134,12 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "F.softmax dispatches to it; " + _DISPATCH_ALIAS, None, None),
     PrivateAPI("torch.ops.aten._log_softmax.default", "aten operator", _TRACE,
                "F.log_softmax and F.cross_entropy dispatch to it; " + _DISPATCH_ALIAS, None, None),
+    PrivateAPI("torch.ops.aten._safe_softmax.default", "aten operator", _TRACE,
+               "F.scaled_dot_product_attention's decomposition (with a mask) dispatches to it; " + _DISPATCH_ALIAS, None, None),
+    PrivateAPI("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default", "aten operator", _TRACE,
+               "F.scaled_dot_product_attention dispatches to it on the CPU (its other fused kernels, "
+               "_scaled_dot_product_flash_attention, _efficient_attention, _cudnn_attention and "
+               "_fused_attention_overrideable, are looked up by name where the release has them); " + _DISPATCH_ALIAS, None, None),
     PrivateAPI("torch.ops.aten._native_batch_norm_legit_no_training.default", "aten operator", ("_trace._BatchTrace.rule",),
                "F.batch_norm with running statistics in eval mode can dispatch to it rather than to native_batch_norm; " + _DISPATCH_ALIAS, None, None),
 )

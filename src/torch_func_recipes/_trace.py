@@ -59,6 +59,39 @@ def _check_path(path: str) -> None:
         raise ValueError(f"path must be one of {', '.join(map(repr, _PATHS))}, got {path!r}")
 
 
+def _tensors_in(values) -> list:
+    """The tensors among an ATen operator's arguments or results: tensors, and lists or tuples of them (Tensor[],
+    Tensor?[]); ATen nests no deeper. A plain loop: the trace runs it for every operation, where a pytree walk costs
+    several times more."""
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found += [t for t in v if isinstance(t, torch.Tensor)]
+    return found
+
+
+_WRITES: dict = {}  # operator -> positions of the arguments it writes into, read once from its schema
+_POINTWISE: dict = {}  # operator -> whether it is tagged pointwise
+_SCHEMAS: dict = {}  # operator -> [(argument name, has a default, the default)]
+
+
+def _writes(func) -> tuple:
+    found = _WRITES.get(func)
+    if found is None:
+        found = _WRITES[func] = tuple(i for i, a in enumerate(func._schema.arguments)
+                                      if a.alias_info is not None and a.alias_info.is_write)
+    return found
+
+
+def _pointwise(func) -> bool:
+    found = _POINTWISE.get(func)
+    if found is None:
+        found = _POINTWISE[func] = torch.Tag.pointwise in func.tags
+    return found
+
+
 class _NotPerExample(Exception):
     """Raised inside the trace at the first operation the fast path cannot vouch for."""
 
@@ -89,13 +122,18 @@ class _BatchTrace(TorchDispatchMode):
         aten.replication_pad1d.default, aten.replication_pad2d.default, aten.upsample_nearest2d.default,
         aten.upsample_bilinear2d.default}
     BY_DIM = {  # operations along `dim`, which must not be the batch dimension
-        aten._softmax.default, aten._log_softmax.default, aten.sum.dim_IntList, aten.mean.dim, aten.amax.default,
+        aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default, aten.sum.dim_IntList, aten.mean.dim, aten.amax.default,
         aten.amin.default, aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default,
         aten.logsumexp.default, aten.var.correction, aten.std.correction, aten.var_mean.correction,
         aten.prod.dim_int, aten.linalg_vector_norm.default, aten.cumsum.default, aten.select.int,
         aten.slice.Tensor, aten.narrow.default, aten.index_select.default, aten.split.Tensor,
         aten.split_with_sizes.default, aten.unbind.int, aten.cat.default, aten.stack.default, aten.gather.default,
         aten.sort.default, aten.topk.default, aten.transpose.int, aten.permute.default}
+    # scaled_dot_product_attention's fused kernels (those this release has): attention over dimensions 2 and 3 of
+    # (batch, heads, tokens, features) query, key and value, each batch row on its own; the mask likewise.
+    ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default, *(getattr(torch.ops.aten, name).default for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable") if hasattr(torch.ops.aten, name))}
     CONSTANT_RESULT = {  # results that do not depend on the values of their tensor arguments
         aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
         aten.rand_like.default, aten.randn_like.default, aten.new_zeros.default, aten.new_ones.default,
@@ -107,6 +145,7 @@ class _BatchTrace(TorchDispatchMode):
         self.batch, self.rows, self.keep = batch, {id(x): 1 for x in inputs}, list(inputs)  # inputs: the tensors with examples
         self.trainable = {id(p): name for name, p in trainable.items()}
         self.transposed = {}  # id(weight.t()) -> name of the weight
+        self.shared = {}      # id(a tensor every example shares, made from a parameter) -> what a layer rule needs of it
         self.layers = []      # dicts: kind, weight, bias (names or None), a, z, r, conv arguments
         self.used = set()
         self.failure = None
@@ -130,7 +169,7 @@ class _BatchTrace(TorchDispatchMode):
             self.fail(f"parameter {name} is used twice (by {func} again)")
         if self.owners is not None and self.owners.get(name) is not rule:
             owner = self.owners.get(name)
-            self.fail(f"parameter {name} is used by a {rule.kind} operation ({func}), but its module's rule is "
+            self.fail(f"parameter {name} is used by {func} under the {rule.kind} rule, but its module's rule is "
                       + (owner.kind if owner is not None else "none"))
         self.used.add(name)
         return name
@@ -139,26 +178,30 @@ class _BatchTrace(TorchDispatchMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         self.keep.append(result)
-        flat_args = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        if any(id(a) in self.unknown for a in flat_args):
+        flat_args = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
+        ids = [id(a) for a in flat_args]
+        if self.unknown and any(i in self.unknown for i in ids):
             self.fail(f"{func} uses a side result whose rows are not the examples")
-        rs = {self.r_of(a) for a in flat_args} - {None}
-        params = [self.param_of(a) for a in flat_args if self.param_of(a) is not None]
-        transposed = [self.transposed[id(a)] for a in flat_args if id(a) in self.transposed]
-        for schema_arg, value in zip(func._schema.arguments, args):
-            if schema_arg.alias_info is not None and schema_arg.alias_info.is_write and isinstance(value, torch.Tensor):
+        rows, trainable = self.rows, self.trainable
+        rs = {rows[i] for i in ids if i in rows}
+        params = [trainable[i] for i in ids if i in trainable]
+        transposed = [self.transposed[i] for i in ids if i in self.transposed] if self.transposed else []
+        shared = [i for i in ids if i in self.shared] if self.shared else []
+        for index in _writes(func):
+            value = args[index] if index < len(args) else None
+            if isinstance(value, torch.Tensor):
                 if self.param_of(value) is not None:
                     self.fail(f"{func} writes into parameter {self.param_of(value)}")
                 if rs and self.r_of(value) is None:
                     self.fail(f"{func} writes example data into a tensor that held none")
-        if not rs and not params and not transposed:
+        if not rs and not params and not transposed and not shared:
             return result  # nothing to do with the examples or the trainable parameters
         if len(rs) > 1:
             self.fail(f"{func} combines tensors with different numbers of rows per example")
         r = rs.pop() if rs else None
         out_r = self.rule(func, args, kwargs, result, r, params, transposed)
-        for t in tree_flatten(result)[0]:
-            if isinstance(t, torch.Tensor) and out_r is not None:
+        for t in _tensors_in((result,)):
+            if out_r is not None:
                 if t.dim() == 0 or t.shape[0] != self.batch * out_r:
                     self.unknown.add(id(t))  # a side result (e.g. saved statistics): must not be used
                 else:
@@ -174,16 +217,25 @@ class _BatchTrace(TorchDispatchMode):
                     return out_r
         if params or transposed:
             self.fail(f"{func} uses parameter {(params + transposed)[0]} in a way the fast path does not know")
+        tensors = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
+        if self.shared and any(id(a) in self.shared for a in tensors):  # a tensor every example shares, made from a parameter
+            if func is self.aten.detach.default:
+                return None  # a constant from here on: no gradient flows back through it
+            if func in self.ROW_PRESERVING and len(tensors) == 1:  # reshaped or copied: follow it further
+                for t in _tensors_in((result,)):
+                    self.shared[id(t)] = self.shared[id(tensors[0])]
+                return None
+            self.fail(f"{func} uses a tensor made from a parameter for every example in a way the fast path does not know")
         if r is None:  # derived from constants only
             return None
-        out = tree_flatten(result)[0]
+        out = _tensors_in((result,))
         if func in self.CONSTANT_RESULT:
             for t in out:
                 if isinstance(t, torch.Tensor):
                     self.rows.pop(id(t), None)
             return None
-        if torch.Tag.pointwise in func.tags or func in self.PER_ROW:
-            if any(self.r_of(a) is not None and a.dim() != out[0].dim() for a in tree_flatten(args)[0]):
+        if func in self.PER_ROW or _pointwise(func):
+            if any(self.r_of(a) is not None and a.dim() != out[0].dim() for a in tensors):
                 self.fail(f"{func} broadcasts example data along another dimension")
             return r
         if func in self.ROW_PRESERVING:
@@ -219,25 +271,37 @@ class _BatchTrace(TorchDispatchMode):
             return r  # running statistics: each example normalised on its own
         if func is self.aten.embedding.default:
             return r
+        if func in self.ATTENTION:
+            query = args[0]
+            rows = [a for a in tensors if self.r_of(a) is not None]
+            if self.r_of(query) is None or query.dim() != 4 or any(a.dim() != 4 or a.shape[0] != query.shape[0] for a in rows):
+                self.fail(f"{func} attends across the batch dimension")
+            return r
         self.fail(f"{func} is not on the fast path's list of operations")
 
     @staticmethod
     def values_of(func, args, kwargs):
+        """{argument name: value} of one call, defaults filled in (the schema read once per operator)."""
+        schema = _SCHEMAS.get(func)
+        if schema is None:
+            schema = _SCHEMAS[func] = [(a.name, a.has_default_value(), a.default_value if a.has_default_value() else None)
+                                       for a in func._schema.arguments]
         values = {}
-        for i, a in enumerate(func._schema.arguments):
+        for i, (name, has_default, default) in enumerate(schema):
             if i < len(args):
-                values[a.name] = args[i]
-            elif a.name in kwargs:
-                values[a.name] = kwargs[a.name]
-            elif a.has_default_value():
-                values[a.name] = a.default_value
+                values[name] = args[i]
+            elif name in kwargs:
+                values[name] = kwargs[name]
+            elif has_default:
+                values[name] = default
         return values
 
     @classmethod
     def dims_of(cls, func, args, kwargs):
         self = cls
         values = cls.values_of(func, args, kwargs)
-        first = values.get("self", values.get("tensors", [None])[0] if "tensors" in values else None)
+        # cat and stack: the widest tensor (cat skips an empty 1-D tensor, such as an empty cache)
+        first = values["self"] if "self" in values else max(values["tensors"], key=lambda t: t.dim())
         ndim = first.dim() + (1 if func is self.aten.stack.default else 0)
         if func is self.aten.permute.default:
             return [0] if values["dims"][0] % ndim else [1]  # only moving dimension 0 matters
@@ -252,8 +316,9 @@ class _BatchTrace(TorchDispatchMode):
 
 def _losses_of_each(loss_fn, predictions: torch.Tensor, batch: _Batch) -> torch.Tensor:
     """loss_fn on every example as a batch of one, as a (B,) tensor (the recipes' loss_fn contract): predictions
-    are the model's output on the batch, whose targets are batch.targets."""
-    outputs = _Batch((predictions,), {}, batch.targets, (True,), {}, len(predictions))
+    are the model's output on the batch (a tensor, or a pytree of them such as a ModelOutput), whose targets are
+    batch.targets."""
+    outputs = _Batch((predictions,), {}, batch.targets, (True,), {}, len(batch))
     loss_of_one, in_dims, values = outputs.per_example(lambda _, one: _scalar_loss(one.loss(loss_fn, one.args[0])))
     try:
         losses = vmap(loss_of_one, in_dims=(None, *in_dims))(None, *values)
@@ -304,9 +369,11 @@ def _traced_forward(model, batch, trainable, need="grads", owners=None):
         return None, None, str(stop)
     if getattr(tracer, "failure", None):  # the model's forward caught the trace's exception
         return None, None, tracer.failure
-    if not isinstance(output, torch.Tensor) or tracer.r_of(output) != 1:
-        return None, None, "the model's output is not one tensor with the examples along dimension 0"
+    leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    if not leaves or any(tracer.r_of(t) != 1 for t in leaves):  # a tensor, or a pytree of them (a ModelOutput)
+        return None, None, "the model's output is not made of tensors with the examples along dimension 0"
     unused = [name for name in trainable if name not in tracer.used]
+    unused += [info["weight"] for info in tracer.shared.values() if not info["added"]]
     if unused:
         kinds = " or ".join(rule.kind for rule in tracer.rules)
         return None, None, f"parameter {unused[0]} is not used as the weight or bias of a {kinds} operation"

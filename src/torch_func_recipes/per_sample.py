@@ -112,7 +112,7 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
                     break
             if reason is None:
                 report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
-                                     "and every trainable parameter is the weight or bias of one linear or convolution operation")
+                                     "and every trainable parameter is the weight or bias of one operation of a layer it covers")
                 return (result, report_) if report else result
         if path == "fast":
             raise ValueError(f"the fast path does not apply: {reason}")
@@ -393,12 +393,33 @@ def _lowest_layers(layers):
     return lowest
 
 
+def _clipped_from_outputs(layers, kept, weights, trainable):
+    """[sum_i w_i g_i for each trainable parameter], from the traced layers alone: each layer's output gradient
+    (kept: {layer index: gradient of the summed losses at its output}) weighted by its example's w_i, pulled back
+    to that layer's own parameters only. The fast path's trace guarantees each parameter has that one use, so
+    autograd walks only the layer's own operation (its input's gradient is not asked for)."""
+    found: dict[str, torch.Tensor | None] = {}
+    for k, layer in enumerate(layers):
+        own = [name for name in (layer["weight"], layer["bias"]) if name is not None]
+        if not own or k not in kept:
+            continue
+        g = kept[k]
+        per_row = weights.to(g.dtype).repeat_interleave(g.shape[0] // len(weights)).view(-1, *[1] * (g.dim() - 1))
+        got = torch.autograd.grad(layer["z"], [trainable[name] for name in own], g * per_row, retain_graph=True,
+                                  allow_unused=True)
+        found.update(zip(own, got))
+    return [found.get(name) for name in trainable]
+
+
 def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=None):
     """On the batched forward and backward pass, where a trace shows each example's rows stay its own:
     ((B,) squared norms, ghost names, direct names, clipped sum or None), or None and the reason it does
     not apply. Each layer's output gradient is reduced to its share of the norms by a hook as soon as the
-    backward pass reaches it, so they are never all held at once. With max_norm, a second backward pass
-    of the same forward pass (so the same dropout masks) gives sum_i min(1, max_norm / n_i) g_i."""
+    backward pass reaches it, so they are never all held at once. With max_norm, the book-keeping of Bu et
+    al. (2023): each layer's output gradient is kept (as large as its output), and once the norms are known,
+    sum_i min(1, max_norm / n_i) g_i comes from each layer's own parameters alone, the gradient of its output
+    weighted row by row by the clip factors: no second backward pass through the model, no per-example
+    gradient, and the same forward pass (so the same dropout masks)."""
     squares, how = [], {}
     clipped: list[torch.Tensor | None] | None = None if max_norm is None else [None] * len(trainable)
     step = chunk_size or len(batch)
@@ -409,13 +430,16 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
             return None, reason
         losses = _losses_of_each(loss_fn, output, part)
         total = losses.sum()
-        chunk, done = output.new_zeros(len(part), dtype=next(iter(trainable.values())).dtype), set()
+        chunk, done = losses.new_zeros(len(part), dtype=next(iter(trainable.values())).dtype), set()
+        kept: dict[int, torch.Tensor] = {}
 
         def take(k, g):
             for name, s, kind in _layer_squares(layers[k], g, len(part)):  # noqa: F821 (ruff: `del layers` below; take runs before it)
                 chunk.add_(s)
                 how[name] = kind
             done.add(k)
+            if clipped is not None:
+                kept[k] = g.detach()  # noqa: F821 (as above)
 
         lowest = _lowest_layers(layers) if total.requires_grad else []
         handles = [layer["z"].register_hook(lambda g, k=k: take(k, g)) for k, layer in enumerate(layers)
@@ -430,13 +454,11 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
             take(k, torch.zeros_like(layers[k]["z"]) if delta is None else delta)
         for k in set(range(len(layers))) - done:  # outputs the loss does not depend on: a share of zero
             take(k, torch.zeros_like(layers[k]["z"]))
-        del output, layers, deltas
         squares.append(chunk)
-        if clipped is not None and total.requires_grad:  # the reweighted loss, on the same forward pass
-            weights = _clip_factors(chunk.clamp(min=0).sqrt(), max_norm).to(losses.dtype)
-            grads = torch.autograd.grad((weights * losses).sum(), list(trainable.values()), allow_unused=True)
+        if clipped is not None and total.requires_grad:  # book-keeping: each layer's output gradient, reweighted
+            grads = _clipped_from_outputs(layers, kept, _clip_factors(chunk.clamp(min=0).sqrt(), max_norm), trainable)
             clipped = [g if c is None else (c if g is None else c + g) for c, g in zip(clipped, grads)]
-        del losses, total
+        del output, layers, deltas, kept, losses, total
     result = None if clipped is None else {name: torch.zeros_like(p) if g is None else g
                                            for (name, p), g in zip(trainable.items(), clipped)}
     return (torch.cat(squares), sorted(n for n, k in how.items() if k == "ghost"),
@@ -566,8 +588,10 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
     Each example's norm ``n_i`` and gradient ``g_i`` come from the same forward pass, so a model that is
     random in training mode (dropout) uses the same masks in both, and each example's contribution has norm
     at most ``max_norm``. Where a trace shows it exact (``"fast"``): per chunk, one batched forward pass and
-    two backward passes, the norms' and that of the reweighted loss ``sum_i min(1, max_norm / n_i) * loss_i``,
-    with no ``(B, *shape)`` tensor. Elsewhere (``"vmap"``, ``"unroll"``, else ``"loop"``, one example at a
+    one backward pass to the layers' outputs, which gives the norms; then, by book-keeping (Bu et al., 2023),
+    each layer's output gradient, weighted row by row by its example's ``min(1, max_norm / n_i)``, is pulled
+    back to that layer's own parameters only: no ``(B, *shape)`` tensor, and no second pass through the model;
+    memory: the layers' output gradients, as large as their outputs. Elsewhere (``"vmap"``, ``"unroll"``, else ``"loop"``, one example at a
     time) each chunk's per-example gradients are clipped and summed: memory ``chunk_size`` examples'
     gradients, the whole batch's when ``chunk_size`` is None. With ``norms`` given, one backward pass of the
     reweighted loss on a new forward pass (``"vmap"`` and ``"loop"`` as above, without chunks): pass
