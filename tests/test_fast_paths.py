@@ -16,6 +16,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import torch_func_recipes as tfr  # noqa: E402
 
+# vmap runs scaled_dot_product_attention by its slow fallback on the refused cases, and says so: a note, not a fault
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
 B, T, V, D, C = 5, 6, 11, 8, 3
 G = torch.Generator().manual_seed(28)
 IDS = torch.randint(1, V, (B, T), generator=G)
@@ -229,3 +231,54 @@ def test_output_jacobian_through_the_same_layers(case):
         rows.append(torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True, materialize_grads=True)])
                                  for o in out]))
     torch.testing.assert_close(J, torch.stack(rows), rtol=1e-10, atol=1e-12)
+
+
+class TokensWithBatchNorm(nn.Module):
+    """BatchNorm1d over the (B*T, C) rows of tokens folded into the batch, then unfolded: r = T rows per example."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn, self.head = nn.Linear(16, 5), nn.BatchNorm1d(5), nn.Linear(10, C)
+
+    def forward(self, x):
+        h = self.lin(x.flatten(2))  # (B, 2, 5)
+        return self.head(self.bn(h.flatten(0, 1)).view(x.shape[0], -1))
+
+
+def normalised_models():
+    torch.manual_seed(3)
+    models = {
+        "BatchNorm2d, eval mode, after a strided convolution": nn.Sequential(
+            nn.Conv2d(2, 4, 3, stride=2), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4, C)),
+        "GroupNorm": nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(64, C)),
+        "BatchNorm1d on tokens folded into the batch": TokensWithBatchNorm(),
+    }
+    images = torch.randn(B, 2, 4, 4, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    for model in models.values():
+        model.double().train()(images)  # running statistics from one batch, then eval mode
+        model.eval()
+    return models, images
+
+
+@pytest.mark.parametrize("case", ["BatchNorm2d, eval mode, after a strided convolution", "GroupNorm",
+                                  "BatchNorm1d on tokens folded into the batch"])
+def test_normalisation_layers(case):
+    """Eval-mode BatchNorm and GroupNorm affine parameters on the fast path: gradients, norms and (B, Y, P) equal
+    the loop in float64; in training mode BatchNorm's batch statistics mix the examples and the recipes refuse."""
+    models, images = normalised_models()
+    model = models[case]
+    grads, how = tfr.per_sample_grads(model, F.cross_entropy, images, TARGETS, report=True)
+    norms, how_norms = tfr.per_sample_grad_norms(model, F.cross_entropy, images, TARGETS, report=True)
+    J, how_jacobian = tfr.output_jacobian(model, images, report=True)
+    assert (how.path, how_norms.path, how_jacobian.path) == ("fast", "fast", "fast"), (how, how_norms, how_jacobian)
+    reference = loop_grads(model, F.cross_entropy, images, TARGETS)
+    for name in reference:
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(norms, norms_of(reference), rtol=1e-10, atol=1e-12)
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = [torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)]) for o in model(x[None])[0]])
+            for x in images]
+    torch.testing.assert_close(J, torch.stack(rows), rtol=1e-10, atol=1e-12)
+    if "BatchNorm" in case:  # refused before anything runs, naming the layer
+        with pytest.raises(ValueError, match="is a BatchNorm in training mode"):
+            tfr.per_sample_grads(model.train(), F.cross_entropy, images, TARGETS)

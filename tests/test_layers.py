@@ -24,7 +24,7 @@ def loop_grads(model, x, t):
 
 
 def test_each_kind_has_its_module_and_says_what_it_provides():
-    assert sorted(_RULES) == ["conv", "embedding", "hf_conv1d", "layer_norm", "linear"]
+    assert sorted(_RULES) == ["batch_norm", "conv", "embedding", "group_norm", "hf_conv1d", "layer_norm", "linear"]
     assert all({rule.kind for rule in _rules_for(need)} == set(_RULES) for need in ("grads", "jacobian", "norms"))
     for rule in _RULES.values():  # transformers' Conv1D is looked up only once transformers is imported
         assert (rule.modules or rule.kind == "hf_conv1d") and rule.ops

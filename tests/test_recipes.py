@@ -416,10 +416,11 @@ def test_a_wrong_unroll_is_caught(recipes):
 # ---------------------------------------------------------------------------------------------
 # Per-sample gradient norms without B·P (book/11_real_models.md): per_sample_grad_norms equals the norms
 # of the loop's per-example gradients on every model above, and clipped_noisy_gradient equals clip_and_noise
-# applied to the loop's per-example gradients. The norms' fast path (one traced batched pass; LayerNorm and
-# embedding weights as layers of their own) is taken exactly where the trace covers every parameter;
-# anything else goes to vmap, the unroll or the loop:
-NORMS_PATH = {"GroupNorm": "vmap", "attention": "vmap", "buffers, eval mode": "vmap", "transformer": "vmap", "LSTM": "unroll", "GRU": "unroll"}
+# applied to the loop's per-example gradients. The norms' fast path (one traced batched pass; LayerNorm,
+# GroupNorm, eval-mode BatchNorm and embedding weights as layers of their own) is taken exactly where the trace
+# covers every parameter; anything else (nn.MultiheadAttention's in_proj_weight, say) goes to vmap, the unroll
+# or the loop:
+NORMS_PATH = {"attention": "vmap", "transformer": "vmap", "LSTM": "unroll", "GRU": "unroll"}
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")

@@ -87,4 +87,4 @@ def _rule_of(module: nn.Module, rules: tuple[_LayerRule, ...]) -> _LayerRule | N
 
 
 # The layer kinds: each module registers its rule when imported (it uses the definitions above).
-from . import _layer_conv, _layer_embedding, _layer_hf_conv1d, _layer_linear, _layer_norm  # noqa: E402, F401
+from . import _layer_batch_norm, _layer_conv, _layer_embedding, _layer_group_norm, _layer_hf_conv1d, _layer_linear, _layer_norm  # noqa: E402, F401

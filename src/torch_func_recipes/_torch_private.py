@@ -71,7 +71,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "the one base class of Dropout, Dropout1d/2d/3d, AlphaDropout and FeatureAlphaDropout (and third-party "
                "subclasses), the modules that draw random numbers in training mode; they share no public base",
                None, None),
-    PrivateAPI("torch.nn.modules.batchnorm._BatchNorm", "module attribute", ("_batch._check_model",),
+    PrivateAPI("torch.nn.modules.batchnorm._BatchNorm", "module attribute", ("_batch._check_model", "_layer_batch_norm._BatchNormRule"),
                "the one base class of BatchNorm1d/2d/3d, their Lazy variants, SyncBatchNorm and third-party subclasses; "
                "the public classes share no public base",
                None, None),
@@ -115,8 +115,10 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "the operator's schema names its arguments with their defaults and says which ones it writes into; "
                "the public OpOverload attributes (name(), tags) do not",
                None, lambda: torch.ops.aten.add_.Tensor),
-    PrivateAPI("Tensor._version", "object attribute", ("_layer_conv._ConvRule.record", "_layer_embedding._EmbeddingRule._record_broadcast",
-                                                       "_layer_embedding._EmbeddingRule.record", "_layer_hf_conv1d._HFConv1DRule.record",
+    PrivateAPI("Tensor._version", "object attribute", ("_layer_batch_norm._BatchNormRule.record", "_layer_conv._ConvRule.record",
+                                                       "_layer_embedding._EmbeddingRule._record_broadcast",
+                                                       "_layer_embedding._EmbeddingRule.record", "_layer_group_norm._GroupNormRule.record",
+                                                       "_layer_hf_conv1d._HFConv1DRule.record",
                                                        "_layer_linear._LinearRule.record", "_layer_norm._LayerNormRule.record",
                                                        "_trace._traced_forward"),
                "the version counter is the only record that an in-place operation changed a layer's input or output "
@@ -140,6 +142,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "F.scaled_dot_product_attention dispatches to it on the CPU (its other fused kernels, "
                "_scaled_dot_product_flash_attention, _efficient_attention, _cudnn_attention and "
                "_fused_attention_overrideable, are looked up by name where the release has them); " + _DISPATCH_ALIAS, None, None),
-    PrivateAPI("torch.ops.aten._native_batch_norm_legit_no_training.default", "aten operator", ("_trace._BatchTrace.rule",),
+    PrivateAPI("torch.ops.aten._native_batch_norm_legit_no_training.default", "aten operator", ("_layer_batch_norm._BatchNormRule",
+                                                                                                  "_trace._BatchTrace.rule"),
                "F.batch_norm with running statistics in eval mode can dispatch to it rather than to native_batch_norm; " + _DISPATCH_ALIAS, None, None),
 )
