@@ -58,7 +58,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                None, None),
     PrivateAPI("torch.utils._pytree.tree_flatten", "import", ("_batch._Batch._leaves", "_batch._Batch.tensors", "_batch._as_batch",
                                                                "_batch._check_examples_apart", "_batch._gradients_enabled.run",
-                                                               "_trace._traced_forward"),
+                                                               "_trace._run_trace"),
                "flattens an operator's nested arguments and results, a batch's nested inputs and targets, and a model's "
                "nested outputs, as torch's own dispatch code and vmap do, and torch has no public pytree module",
                None, None),
@@ -120,7 +120,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                                                        "_layer_embedding._EmbeddingRule.record", "_layer_group_norm._GroupNormRule.record",
                                                        "_layer_hf_conv1d._HFConv1DRule.record",
                                                        "_layer_linear._LinearRule.record", "_layer_norm._LayerNormRule.record",
-                                                       "_trace._traced_forward"),
+                                                       "_trace._run_trace"),
                "the version counter is the only record that an in-place operation changed a layer's input or output "
                "after the trace saved it",
                None, lambda: torch.zeros(1)),

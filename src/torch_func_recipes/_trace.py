@@ -8,6 +8,7 @@ path a recipe call took. Also copied, without this docstring, into the notebook 
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -355,10 +356,40 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
     return None
 
 
+# Traces that failed, remembered per model: {model: {call signature: reason}}. A failed trace is a whole
+# forward pass wasted, every call of a training loop; remembering only failures can never make a result
+# wrong (a wrongly remembered one costs a fast path, not correctness). A model that is freed takes its
+# entry with it.
+_FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _signature(model, batch, trainable, need):
+    """What a trace's verdict depends on besides the model's code: the inputs' shapes, dtypes and devices, the
+    trainable parameters, every submodule's train/eval mode and whether autograd records."""
+    tensors = tuple((tuple(t.shape), t.dtype, t.device) for t in batch.tensors())
+    modes = tuple(m.training for m in model.modules()) if isinstance(model, nn.Module) else ()
+    return need, tensors, tuple(trainable), modes, torch.is_grad_enabled()
+
+
 def _traced_forward(model, batch, trainable, need="grads", owners=None):
     """Runs the model (or a function calling it) on a _Batch under the trace. Returns (output, layers, None)
     or (None, None, reason). need: what the caller asks of the layer rules ("grads", "jacobian", "norms");
-    owners: from _owner_rules on the model."""
+    owners: from _owner_rules on the model. A trace that failed for this model and call signature before is
+    not run again: its reason is returned at once."""
+    try:
+        failed = _FAILED.setdefault(model, {})
+    except TypeError:  # not weakly referable: nothing remembered
+        failed = {}
+    key = _signature(model, batch, trainable, need)
+    if key in failed:
+        return None, None, failed[key]
+    output, layers, reason = _run_trace(model, batch, trainable, need, owners)
+    if reason is not None:
+        failed[key] = reason
+    return output, layers, reason
+
+
+def _run_trace(model, batch, trainable, need, owners):
     if owners is None and isinstance(model, nn.Module):
         owners = _owner_rules(model, trainable, need)
     tracer = _BatchTrace(len(batch), batch.tensors(), trainable, need, owners)
