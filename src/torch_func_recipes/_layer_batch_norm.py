@@ -41,13 +41,13 @@ class _BatchNormRule(_LayerRule):
         values = trace.values_of(func, args, kwargs)
         x, w, b = values["input"], values["weight"], values["bias"]
         mean, var = values["running_mean"], values["running_var"]
-        if values.get("training", False) or mean is None or var is None:
+        if values.get("training", False) or mean is None or var is None:  # cudnn_batch_norm names eps "epsilon"
             trace.fail(f"{func}: batch statistics mix the examples (call model.eval())")
         if trace.r_of(x) is None or any(trace.r_of(t) is not None for t in (w, b, mean, var)) or x.dim() < 2:
             trace.fail(f"{func}: only the input may carry example data")
         trace.layers.append(dict(kind=self.kind, weight=trace.use(trace.param_of(w), func, self),
                                  bias=trace.use(trace.param_of(b), func, self), a=x, z=result[0], r=trace.r_of(x),
-                                 mean=mean.detach().clone(), var=var.detach().clone(), eps=values["eps"],
+                                 mean=mean.detach().clone(), var=var.detach().clone(), eps=values.get("eps", values.get("epsilon")),
                                  versions=(x._version, result[0]._version)))
         return trace.r_of(x)
 
