@@ -40,8 +40,8 @@ TAG = "shared-"
 # The package the shared cells below come from: the real one, even when `root` is a scratch copy of the book.
 PACKAGE = ROOT / "src" / "torch_func_recipes"
 # Each module after the modules it imports from (tests/test_shared_code.py checks this against the imports).
-PACKAGE_ORDER = ("_batch", "_layers", "_layer_batch_norm", "_layer_group_norm", "_layer_conv", "_layer_embedding",
-                 "_layer_linear", "_layer_hf_conv1d", "_layer_norm", "_trace", "_vmap_gaps", "transforms", "per_sample",
+PACKAGE_ORDER = ("_batch", "_layers", "_layer_batch_norm", "_layer_group_norm", "_layer_conv", "_layer_embedding", "_layer_rms_norm",
+                 "_layer_linear", "_layer_hf_conv1d", "_layer_norm", "_layer_parameter", "_trace", "_vmap_gaps", "transforms", "per_sample",
                  "output_jacobians", "ensembles", "curvature", "migration")
 FUTURE = "from __future__ import annotations"
 

@@ -282,3 +282,220 @@ def test_normalisation_layers(case):
     if "BatchNorm" in case:  # refused before anything runs, naming the layer
         with pytest.raises(ValueError, match="is a BatchNorm in training mode"):
             tfr.per_sample_grads(model.train(), F.cross_entropy, images, TARGETS)
+
+
+class GemmaStyleRMSNorm(nn.Module):
+    """Named like an RMSNorm but scaling by 1 + w: the weight's use is an addition first, which the trace must
+    refuse rather than trust the name."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+
+class RMSNormed(nn.Module):
+    """Linear, RMSNorm over the features of each token, a head on the mean over tokens; `misuse` breaks one
+    assumption of the RMSNorm rule."""
+
+    def __init__(self, norm=None, misuse=None):
+        super().__init__()
+        self.lin, self.norm, self.head = nn.Linear(4, D), norm if norm is not None else nn.RMSNorm(D), nn.Linear(D, C)
+        self.misuse = misuse
+
+    def forward(self, x):  # x: (B, T, 4)
+        h = self.norm(torch.tanh(self.lin(x)))
+        if self.misuse == "used twice":
+            h = self.norm(h)
+        elif self.misuse == "used outside its layer":
+            h = h + self.norm.weight
+        return self.head(h.mean(1))
+
+
+RMS_CASES = {
+    "nn.RMSNorm": (dict(), "fast"),
+    "an RMSNorm used twice": (dict(misuse="used twice"), "vmap"),
+    "its weight used outside the layer": (dict(misuse="used outside its layer"), "vmap"),
+    "a class named RMSNorm that scales by 1 + w": (dict(norm=GemmaStyleRMSNorm(D)), "vmap"),
+}
+
+
+@pytest.mark.parametrize("case", RMS_CASES)
+def test_rms_norm(case):
+    """nn.RMSNorm's weight on the fast path (gradients, norms and (B, Y, P) equal the loop in float64); a weight
+    used twice or outside its layer, or a look-alike class, is refused by the trace and still equals the loop."""
+    options, path = RMS_CASES[case]
+    torch.manual_seed(5)
+    model = RMSNormed(**options).double().eval()
+    nn.init.normal_(model.norm.weight)  # not all ones, so that a wrong rule would show
+    x = torch.randn(B, T, 4, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    grads, how = tfr.per_sample_grads(model, F.cross_entropy, x, TARGETS, report=True)
+    norms, how_norms = tfr.per_sample_grad_norms(model, F.cross_entropy, x, TARGETS, report=True)
+    J, how_jacobian = tfr.output_jacobian(model, x, report=True)
+    assert (how.path, how_norms.path, how_jacobian.path) == (path, path, path), (how, how_norms, how_jacobian)
+    reference = loop_grads(model, F.cross_entropy, x, TARGETS)
+    for name in reference:
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(norms, norms_of(reference), rtol=1e-10, atol=1e-12)
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = [torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)]) for o in model(e[None])[0]])
+            for e in x]
+    torch.testing.assert_close(J, torch.stack(rows), rtol=1e-10, atol=1e-12)
+
+
+def test_llama_rms_norm_takes_the_fast_path():
+    """transformers' LlamaRMSNorm (a class of its own, the product w * h at its end) on the fast path, the whole
+    tiny Llama with it, equal to the vmap path in float64."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=D, num_key_value_heads=1, num_attention_heads=2,
+                                      intermediate_size=16, num_hidden_layers=1, max_position_embeddings=16,
+                                      bos_token_id=0, eos_token_id=0)
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    for m in model.modules():
+        if type(m).__name__ == "LlamaRMSNorm":
+            nn.init.normal_(m.weight)
+    loss_fn = lambda out, t: F.cross_entropy(out.logits[:, -1, :C], t)  # noqa: E731
+    fast, how = tfr.per_sample_grads(model, loss_fn, targets=TARGETS, input_ids=IDS, report=True)
+    assert how.path == "fast", how
+    reference = tfr.per_sample_grads(model, loss_fn, targets=TARGETS, input_ids=IDS, path="loop")
+    for name in reference:
+        torch.testing.assert_close(fast[name], reference[name], rtol=1e-10, atol=1e-12)
+    norms, how_norms = tfr.per_sample_grad_norms(model, loss_fn, targets=TARGETS, input_ids=IDS, report=True)
+    assert how_norms.path == "fast" and "model.norm.weight" in how_norms.direct, how_norms
+    torch.testing.assert_close(norms, norms_of(reference), rtol=1e-10, atol=1e-12)
+
+
+class Residual(nn.Module):
+    """A convolution and an eval-mode BatchNorm, a shortcut added into the BatchNorm's output in place (as
+    transformers' ResNet does), then a head; `variant` changes what happens to that output."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.conv, self.bn, self.short = nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Conv2d(2, 4, 1)
+        self.head, self.variant = nn.Linear(4 * 16, C), variant
+
+    def forward(self, x):
+        h = self.bn(self.conv(x))
+        if self.variant == "read before the addition":
+            seen = h.relu()  # the old values used elsewhere: the gradient at h also flows through `seen`
+            h += self.short(x)
+            h = h + seen
+        elif self.variant == "scaled in place":
+            h *= 2.0
+            h = h + self.short(x)
+        elif self.variant == "added to itself":
+            h += h
+            h = h + self.short(x)
+        else:
+            h += self.short(x)
+        return self.head(torch.relu(h).flatten(1))
+
+
+RESIDUAL_CASES = {"a shortcut added in place": "fast", "read before the addition": "vmap", "scaled in place": "vmap",
+                  "added to itself": "vmap"}
+
+
+@pytest.mark.parametrize("case", RESIDUAL_CASES)
+def test_a_residual_added_in_place_into_a_layer_output(case):
+    """An in-place addition into a layer's output before anything read it leaves that layer's output gradient
+    unchanged, so the fast path keeps the layer; an output read first, scaled in place or added to itself is
+    refused (another path), and every case equals the loop in float64."""
+    torch.manual_seed(7)
+    model = Residual(case).double()
+    images = torch.randn(B, 2, 4, 4, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    model.train()(images)
+    model.eval()
+    grads, how = tfr.per_sample_grads(model, F.cross_entropy, images, TARGETS, report=True)
+    norms, how_norms = tfr.per_sample_grad_norms(model, F.cross_entropy, images, TARGETS, report=True)
+    clipped = tfr.clipped_grad_sum(model, F.cross_entropy, images, TARGETS, max_norm=0.1)
+    J, how_jacobian = tfr.output_jacobian(model, images, report=True)
+    expected = RESIDUAL_CASES[case]
+    assert (how.path, how_norms.path, how_jacobian.path) == (expected,) * 3, (how, how_norms, how_jacobian)
+    if expected == "vmap":
+        assert "in-place operation changed" in how.reason, how
+    reference = loop_grads(model, F.cross_entropy, images, TARGETS)
+    for name in reference:
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(norms, norms_of(reference), rtol=1e-10, atol=1e-12)
+    factors = (0.1 / (norms_of(reference) + 1e-6)).clamp(max=1.0)
+    for name in reference:
+        torch.testing.assert_close(clipped[name], torch.einsum("b,b...->...", factors, reference[name]), rtol=1e-10, atol=1e-12)
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = [torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)]) for o in model(x[None])[0]])
+            for x in images]
+    torch.testing.assert_close(J, torch.stack(rows), rtol=1e-10, atol=1e-12)
+
+
+class Tokenised(nn.Module):
+    """ViT's pattern: a class token expanded over the batch and put in front of the patches, a learned
+    position embedding added to every example; `misuse` breaks one assumption of the parameter rule."""
+
+    def __init__(self, misuse=None):
+        super().__init__()
+        self.patch, self.head = nn.Linear(4, D), nn.Linear(D, C)
+        tokens = 1 if misuse == "positions broadcast along the tokens" else T + 1
+        self.cls_token, self.positions = nn.Parameter(torch.randn(1, 1, D)), nn.Parameter(torch.randn(1, tokens, D))
+        self.misuse = misuse
+
+    def forward(self, x):  # x: (B, T, 4)
+        h = self.patch(x)
+        cls = self.cls_token.expand(x.shape[0], -1, -1)
+        if self.misuse == "class token used twice":
+            h = torch.cat([torch.cat([cls, h[:, 1:]], dim=1), cls], dim=1)
+        elif self.misuse == "class token last":
+            h = torch.cat([h, cls], dim=-2)
+        else:
+            h = torch.cat([cls, h], dim=1)
+        if self.misuse == "positions scaled":
+            h = h + 2 * self.positions
+        else:  # (1, T + 1, D), or (1, 1, D): broadcast along the tokens too
+            h = h + self.positions
+        return self.head(torch.tanh(h)[:, -1 if self.misuse == "class token last" else 0])
+
+
+PARAMETER_CASES = {"a class token and position embeddings": (None, "fast"),
+                   "class token last": ("class token last", "fast"),
+                   "class token used twice": ("class token used twice", "vmap"),
+                   "positions scaled": ("positions scaled", "vmap"),
+                   "positions broadcast along the tokens": ("positions broadcast along the tokens", "vmap")}
+
+
+@pytest.mark.parametrize("case", PARAMETER_CASES)
+def test_parameters_every_example_receives_whole(case):
+    """A class token (expanded, concatenated) and a position embedding (added) on the fast path, equal to the
+    loop in float64 for gradients, norms and (B, Y, P); a token used twice, a scaled embedding or one broadcast
+    along another dimension are refused by the trace and still equal the loop."""
+    misuse, path = PARAMETER_CASES[case]
+    torch.manual_seed(9)
+    model = Tokenised(misuse).double()
+    x = torch.randn(B, T, 4, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    grads, how = tfr.per_sample_grads(model, F.cross_entropy, x, TARGETS, report=True)
+    norms, how_norms = tfr.per_sample_grad_norms(model, F.cross_entropy, x, TARGETS, report=True)
+    J, how_jacobian = tfr.output_jacobian(model, x, report=True)
+    assert (how.path, how_norms.path, how_jacobian.path) == (path,) * 3, (how, how_norms, how_jacobian)
+    reference = loop_grads(model, F.cross_entropy, x, TARGETS)
+    for name in reference:
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(norms, norms_of(reference), rtol=1e-10, atol=1e-12)
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = [torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)]) for o in model(e[None])[0]])
+            for e in x]
+    torch.testing.assert_close(J, torch.stack(rows), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", ["fast", "vmap"])
+def test_output_jacobian_through_dropout_in_training_mode(path):
+    """Dropout in training mode: on either path each example draws its own mask, which every row of its
+    Jacobian shares. Read off the last layer's block (d y_j / d W2[j, k] is the dropped hidden unit k, the same
+    for every row j). Before the vmap path passed randomness="different", it raised instead."""
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, C)).double().train()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    J = tfr.output_jacobian(model, x, path=path)
+    blocks = tfr.split_by_parameter(J, model)["3.weight"]  # (B, Y, Y, 16)
+    kept = torch.stack([torch.stack([blocks[b, j, j] != 0 for j in range(C)]) for b in range(8)])  # (B, Y, 16)
+    assert bool((kept == kept[:, :1]).all())  # one mask per example, shared by its rows
+    assert len({tuple(k[0].tolist()) for k in kept}) > 1  # not one mask for the whole batch

@@ -59,12 +59,12 @@ def vit():
 
 BUILDERS = {"GPT-2": gpt2, "BERT, 2-D padding mask": bert, "Llama, 2-D padding mask": llama, "ResNet, BatchNorm in eval mode": resnet, "ViT": vit}
 # The path each recipe takes on each model today, and why (the fast path covers linear, conv, GPT-2's Conv1D,
-# LayerNorm, GroupNorm, eval-mode BatchNorm and embeddings; GPT-2's LM head ties its weight to the token table, used
-# twice; the ResNet adds its shortcut into a BatchNorm output in place; RMSNorm and ViT's class token are not covered
-# yet: issue 28; tests/test_fast_paths.py has GPT-2 untied).
+# LayerNorm, RMSNorm, GroupNorm, eval-mode BatchNorm, embeddings and parameters every example receives whole, such as
+# ViT's class token; GPT-2's LM head ties its weight to the token table, used twice; the ResNet's shortcut added in
+# place into a BatchNorm output is allowed; tests/test_fast_paths.py has GPT-2 untied and a Llama without a mask).
 # A 2-D padding mask (BERT's, Llama's) meets a data-dependent check inside transformers (a .all() on the mask),
 # which vmap cannot run: the recipes fall back to the loop, and stay right.
-PATHS = {"GPT-2": "vmap", "BERT, 2-D padding mask": "loop", "Llama, 2-D padding mask": "loop", "ResNet, BatchNorm in eval mode": "vmap", "ViT": "vmap"}
+PATHS = {"GPT-2": "vmap", "BERT, 2-D padding mask": "loop", "Llama, 2-D padding mask": "loop", "ResNet, BatchNorm in eval mode": "fast", "ViT": "fast"}
 
 
 def build(name):

@@ -24,10 +24,11 @@ def loop_grads(model, x, t):
 
 
 def test_each_kind_has_its_module_and_says_what_it_provides():
-    assert sorted(_RULES) == ["batch_norm", "conv", "embedding", "group_norm", "hf_conv1d", "layer_norm", "linear"]
+    assert sorted(_RULES) == ["batch_norm", "conv", "embedding", "group_norm", "hf_conv1d", "layer_norm", "linear", "parameter",
+                              "rms_norm"]
     assert all({rule.kind for rule in _rules_for(need)} == set(_RULES) for need in ("grads", "jacobian", "norms"))
-    for rule in _RULES.values():  # transformers' Conv1D is looked up only once transformers is imported
-        assert (rule.modules or rule.kind == "hf_conv1d") and rule.ops
+    for rule in _RULES.values():  # transformers' Conv1D is looked up only once transformers is imported; the
+        assert (rule.modules or rule.kind in ("hf_conv1d", "parameter")) and rule.ops  # parameter rule covers by name
         assert type(rule).__module__ == f"torch_func_recipes._layer_{rule.kind.replace('layer_', '')}"
     pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
     assert _RULES["hf_conv1d"].modules == (pytorch_utils.Conv1D,)

@@ -265,3 +265,31 @@ def test_a_model_that_mixes_the_examples_is_refused(recipe):
         PER_EXAMPLE[recipe](mixer, CE, X, T)
     plain = nn.Sequential(nn.Conv1d(1, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(8, 3))  # float32
     PER_EXAMPLE[recipe](plain, CE, X.float()[:, None], T)
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+def test_the_examples_apart_check_is_remembered_per_call_signature(recipe):
+    """A passed check is not paid again for the same model and call signature, but a new signature (here an
+    argument that switches the mixing on, or the other mode) is checked again: without the signature in the
+    memory, the last two calls would answer wrongly instead of refusing. The parameter used outside a layer keeps
+    every recipe off the fast path (whose trace sees the examples apart itself), where the check runs."""
+    torch.manual_seed(37)
+    layers = nn.ModuleList([nn.Linear(4, 6), nn.Linear(6, 3)]).double()
+    sizes = []
+
+    def forward(self, x, centre):
+        sizes.append(len(x))
+        h = torch.tanh(layers[0](x))
+        return layers[1](self.scale * (h - h.mean(0) if centre or not self.training else h))
+
+    model = type("MixesWhenAsked", (nn.Module,), {"forward": forward})()
+    model.layers, model.scale = layers, nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+    PER_EXAMPLE[recipe](model, CE, (X, False), T)
+    checks = sizes.count(2)  # the check's pass with two examples together
+    assert checks == 1
+    PER_EXAMPLE[recipe](model, CE, (X, False), T)
+    assert sizes.count(2) == checks  # remembered: no second check
+    with pytest.raises(ValueError, match="depends on the other examples of the batch"):
+        PER_EXAMPLE[recipe](model, CE, (X, True), T)  # another argument: checked again
+    with pytest.raises(ValueError, match="depends on the other examples of the batch"):
+        PER_EXAMPLE[recipe](model.eval(), CE, (X, False), T)  # another mode: checked again

@@ -52,6 +52,7 @@ scripts/build_shared.py: edit it here.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Union
 
@@ -241,6 +242,31 @@ def _clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (norms + 1e-6)).clamp(max=1.0)
 
 
+# Checks of _check_examples_apart that passed, remembered per model: {model: {call signature}}. A model that
+# is freed takes its entry with it.
+_APART: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _call_signature(model: nn.Module, batch: _Batch) -> tuple | None:
+    """What a model's behaviour on a batch depends on besides its code and the tensors' values: the structure of
+    the arguments, each tensor's shape, dtype, device and whether it carries examples, the other arguments'
+    values, every submodule's train/eval mode and whether autograd records. None when an argument that is not a
+    tensor cannot be hashed (nothing can then be remembered)."""
+    leaves, _, batched = batch._leaves()
+    parts: list[Any] = []
+    for leaf, carries in zip(leaves, batched):
+        if isinstance(leaf, torch.Tensor):
+            parts.append((tuple(leaf.shape), leaf.dtype, leaf.device, carries))
+        else:
+            try:
+                hash(leaf)
+            except TypeError:
+                return None
+            parts.append((type(leaf), leaf))
+    modes = tuple(m.training for m in model.modules())
+    return len(batch.args), tuple(batch.kwargs), tuple(parts), modes, torch.is_grad_enabled()
+
+
 def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     """The per-example recipes' check that an example's output does not depend on the other examples of the
     batch (a batch statistic computed by hand, a softmax or a roll across the batch, a Python branch on the whole
@@ -253,8 +279,19 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     model that mixes them never takes it). Not run for a batch of one; nor for a model with a random module in
     training mode, whose draws differ between the passes; nor where a forward pass raises (the recipe then
     meets the error itself, on its own path). A model that mixes examples only beyond the first two, or only
-    through randomness, is not detected."""
+    through randomness, is not detected. A check passed is remembered for the model and the call's signature
+    (_call_signature: shapes, dtypes, devices, non-tensor arguments, train/eval modes, grad mode), so a training
+    loop pays it once, not every step (a quarter of a small transformer's per-sample gradients otherwise); a
+    model that mixes examples only for some values of its inputs or parameters, after passing once, is not
+    detected either."""
     if len(batch) < 2 or _random_modules(model):
+        return
+    signature = _call_signature(model, batch)
+    try:
+        passed = _APART.setdefault(model, set())
+    except TypeError:  # not weakly referable: nothing remembered
+        passed = set()
+    if signature is not None and signature in passed:
         return
     try:
         with torch.no_grad():
@@ -276,6 +313,8 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
                              f"two examples give outputs {gap:.1e} apart, relative to the largest, together and alone): "
                              "a batch statistic or an operation across the batch mixes them, so no example has a gradient "
                              "of its own; compute it per example (BatchNorm: model.eval(), or GroupNorm/LayerNorm)")
+    if signature is not None:
+        passed.add(signature)
 
 
 def _gradients_enabled(recipe: Callable[..., Any]) -> Callable[..., Any]:

@@ -66,7 +66,7 @@ class _EmbeddingRule(_LayerRule):
         table.copy_(summed.index_add_(0, where, g.to(table.dtype)).view(table.shape))
 
     def _record_broadcast(self, trace, func, args, kwargs, result, r):
-        shared = [a for a in args[:2] if isinstance(a, torch.Tensor) and id(a) in trace.shared]
+        shared = [a for a in args[:2] if isinstance(a, torch.Tensor) and "ids" in trace.shared.get(id(a), ())]
         if not shared:
             return NotImplemented
         e = shared[0]

@@ -41,6 +41,16 @@ class _LayerRule:
         rule involved)."""
         raise NotImplementedError
 
+    def covers(self, module: nn.Module) -> bool:
+        """Whether this rule covers the module's weight and bias: by default, a module of one of the types in
+        `modules`. The trace confirms the operation either way."""
+        return isinstance(module, self.modules)
+
+    def covers_parameter(self, module: nn.Module, short: str) -> bool:
+        """Whether this rule covers the module's parameter registered under the name `short`: by default its
+        weight and bias, where the rule covers the module."""
+        return short in ("weight", "bias") and self.covers(module)
+
     def supports(self, need: str) -> bool:
         return getattr(type(self), _NEEDS[need], None) is not getattr(_LayerRule, _NEEDS[need], None)
 
@@ -81,10 +91,20 @@ def _rules_for(need: str) -> tuple[_LayerRule, ...]:
     return tuple(rule for rule in _RULES.values() if rule.supports(need))
 
 
-def _rule_of(module: nn.Module, rules: tuple[_LayerRule, ...]) -> _LayerRule | None:
-    """The rule among `rules` whose module types include this module's, if any."""
-    return next((rule for rule in rules if isinstance(module, rule.modules)), None)
+def _rule_of(module: nn.Module, rules: tuple[_LayerRule, ...], short: str = "weight") -> _LayerRule | None:
+    """The first rule among `rules` that covers the module's parameter `short` (its weight by default), if any."""
+    return next((rule for rule in rules if rule.covers_parameter(module, short)), None)
 
 
 # The layer kinds: each module registers its rule when imported (it uses the definitions above).
-from . import _layer_batch_norm, _layer_conv, _layer_embedding, _layer_group_norm, _layer_hf_conv1d, _layer_linear, _layer_norm  # noqa: E402, F401
+from . import (  # noqa: E402, F401
+    _layer_batch_norm,
+    _layer_conv,
+    _layer_embedding,
+    _layer_group_norm,
+    _layer_hf_conv1d,
+    _layer_linear,
+    _layer_norm,
+    _layer_parameter,
+    _layer_rms_norm,
+)

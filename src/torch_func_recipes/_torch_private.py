@@ -120,9 +120,12 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                                                        "_layer_embedding._EmbeddingRule.record", "_layer_group_norm._GroupNormRule.record",
                                                        "_layer_hf_conv1d._HFConv1DRule.record",
                                                        "_layer_linear._LinearRule.record", "_layer_norm._LayerNormRule.record",
+                                                       "_layer_parameter._ParameterRule._record_cat", "_layer_parameter._ParameterRule.record",
+                                                       "_layer_rms_norm._RMSNormRule.record", "_trace._BatchTrace.follow_fresh",
                                                        "_trace._run_trace"),
                "the version counter is the only record that an in-place operation changed a layer's input or output "
-               "after the trace saved it",
+               "after the trace saved it (one more per in-place operation, which an addition into a layer's fresh "
+               "output is allowed)",
                None, lambda: torch.zeros(1)),
     PrivateAPI("torch.ops.aten._unsafe_view.default", "aten operator", _TRACE,
                "reshape (where it must copy) and matmul's reshapes dispatch to it; " + _DISPATCH_ALIAS, None, None),

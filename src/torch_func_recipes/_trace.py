@@ -151,6 +151,7 @@ class _BatchTrace(TorchDispatchMode):
         self.used = set()
         self.failure = None
         self.unknown = set()
+        self.fresh = {}       # id(a layer's output no operation has read yet) -> that layer
 
     def fail(self, why):
         self.failure = why
@@ -183,6 +184,8 @@ class _BatchTrace(TorchDispatchMode):
         ids = [id(a) for a in flat_args]
         if self.unknown and any(i in self.unknown for i in ids):
             self.fail(f"{func} uses a side result whose rows are not the examples")
+        if self.fresh:
+            self.follow_fresh(func, args, ids)
         rows, trainable = self.rows, self.trainable
         rs = {rows[i] for i in ids if i in rows}
         params = [trainable[i] for i in ids if i in trainable]
@@ -209,12 +212,33 @@ class _BatchTrace(TorchDispatchMode):
                     self.rows[id(t)] = out_r
         return result
 
+    # In-place additions whose gradient with respect to the tensor they change is the identity: a residual added
+    # into a layer's output (`h += shortcut`, transformers' ResNet) leaves that layer's output gradient unchanged.
+    SHIFTS = {aten.add_.Tensor, aten.add_.Scalar, aten.sub_.Tensor, aten.sub_.Scalar}
+
+    def follow_fresh(self, func, args, ids):
+        """A layer's output changed in place by an addition before anything read it: the gradient autograd gives
+        for the changed tensor is the gradient of the output the layer computed, so the layer keeps its place
+        (its recorded version moves on). Any other use of a fresh output ends its freshness, and a later change
+        in place is then refused (_run_trace compares versions)."""
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func in self.SHIFTS and target is not None and id(target) in self.fresh and ids.count(id(target)) == 1:
+            layer = self.fresh[id(target)]
+            if layer["a"] is not target:  # autograd counts the change once this call returns: one more version
+                layer["versions"] = (layer["versions"][0], target._version + 1)
+                return
+        for i in ids:
+            self.fresh.pop(i, None)
+
     def rule(self, func, args, kwargs, result, r, params, transposed):
         B = self.batch
         for layer_rule in self.rules:  # operations that use a layer's parameters: the registry's rules (_layers)
             if func in layer_rule.ops:
+                count = len(self.layers)
                 out_r = layer_rule.record(self, func, args, kwargs, result, r, params, transposed)
                 if out_r is not NotImplemented:
+                    for layer in self.layers[count:]:
+                        self.fresh[id(layer["z"])] = layer
                     return out_r
         if params or transposed:
             self.fail(f"{func} uses parameter {(params + transposed)[0]} in a way the fast path does not know")
@@ -329,14 +353,14 @@ def _losses_of_each(loss_fn, predictions: torch.Tensor, batch: _Batch) -> torch.
 
 
 def _owner_rules(model: nn.Module, trainable: dict[str, nn.Parameter], need: str) -> dict[str, _LayerRule | None]:
-    """{name: the rule of the module that owns the parameter, as its weight or bias} (None where no rule that
-    provides `need` covers that module), for every trainable parameter."""
+    """{name: the rule that covers the parameter in the module that owns it (its weight or bias, or a bare
+    parameter)} (None where no rule that provides `need` covers it), for every trainable parameter."""
     rules = _rules_for(need)
     owners = {id(p): (module, short) for module in model.modules() for short, p in module._parameters.items() if p is not None}
     found = {}
     for name, p in trainable.items():
         module, short = owners[id(p)]
-        found[name] = _rule_of(module, rules) if short in ("weight", "bias") else None
+        found[name] = _rule_of(module, rules, short)
     return found
 
 

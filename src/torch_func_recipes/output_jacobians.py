@@ -164,7 +164,9 @@ def _vmap_jacrev(model, select, trainable, batch, chunk_size, out, total):
         return output[0]
 
     of_one, in_dims, values = batch.per_example(outputs_of_one)
-    blocks = vmap(jacrev(of_one), in_dims=(None, *in_dims), chunk_size=chunk_size)(detached, *values)
+    # randomness="different": each example draws its own dropout mask (as on the fast path and in per_sample_grads),
+    # which all rows of its Jacobian share (jacrev runs the forward pass once per example)
+    blocks = vmap(jacrev(of_one), in_dims=(None, *in_dims), randomness="different", chunk_size=chunk_size)(detached, *values)
     size, n_out = len(batch), next(iter(blocks.values())).shape[1]
     out = _result_buffer(out, size, n_out, total, next(iter(blocks.values())))
     torch.cat([blocks[name].reshape(size, n_out, -1) for name in trainable], dim=2, out=out)
