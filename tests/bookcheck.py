@@ -127,8 +127,9 @@ ANSWERS = {
     "07_compile_with_transforms": r"torch\.compile\(vmap\(",
     "14_training_loops": r"\bvmap\(",
     "15_short_answers": r"^\| The question \| The short answer",
+    "16_model_answers": r"^\| The question \| The short answer",
 }
-MARKDOWN_ANSWERS = {"06_error_gallery", "15_short_answers"}  # lookup pages: a table of questions or messages
+MARKDOWN_ANSWERS = {"06_error_gallery", "15_short_answers", "16_model_answers"}  # lookup pages: a table of questions or messages
 _FOLDED = {"hide-input", "hide-cell", "remove-input", "remove-cell"}
 _WIDTH = 110  # characters a rendered line holds (the book's Markdown and code are wrapped at about 100)
 
