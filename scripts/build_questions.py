@@ -80,8 +80,9 @@ def render(entries: list[dict]) -> str:
              f"The questions below were asked in public issue trackers (PyTorch, functorch, Opacus and the libraries "
              f"built on them) and the PyTorch forums, each put in our own words with a link to its thread. Each "
              f"answered one links to the section that answers it, executed and checked against a loop or a reference. Of the "
-             f"{len(entries)} questions, {counts['answered']} are answered here, {counts['half']} in part and "
-             f"{counts['not']} not yet; {counts['out of scope']} need no function transform. The list lives in "
+             f"{len(entries)} questions, {counts['answered']} are answered here"
+             + (f", {counts['half']} in part and {counts['not']} not yet" if counts["half"] or counts["not"] else "")
+             + f"; {counts['out of scope']} need no function transform. The list lives in "
              f"`book/_data/questions.yml`, graded against the book, and this page is written from it.", "",
              "Searching for an error message? Its opening words are quoted with the question, as PyTorch prints them, "
              "and [The error gallery](06_error_gallery.ipynb) shows each one executed.", ""]
