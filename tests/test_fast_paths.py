@@ -37,6 +37,25 @@ def norms_of(grads):
     return torch.cat([g.flatten(1) for g in grads.values()], dim=1).norm(dim=1)
 
 
+def check_paths_and_the_loop(model, inputs, path):
+    """per_sample_grads, per_sample_grad_norms and output_jacobian take `path` and equal the loop in float64:
+    gradients and norms against loop_grads, (B, Y, P) against one autograd call per output of each example.
+    Returns the loop's gradients and per_sample_grads' report."""
+    grads, how = tfr.per_sample_grads(model, F.cross_entropy, inputs, TARGETS, report=True)
+    norms, how_norms = tfr.per_sample_grad_norms(model, F.cross_entropy, inputs, TARGETS, report=True)
+    J, how_jacobian = tfr.output_jacobian(model, inputs, report=True)
+    assert (how.path, how_norms.path, how_jacobian.path) == (path,) * 3, (how, how_norms, how_jacobian)
+    reference = loop_grads(model, F.cross_entropy, inputs, TARGETS)
+    for name in reference:
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(norms, norms_of(reference), rtol=1e-10, atol=1e-12)
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = [torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)]) for o in model(x[None])[0]])
+            for x in inputs]
+    torch.testing.assert_close(J, torch.stack(rows), rtol=1e-10, atol=1e-12)
+    return reference, how
+
+
 class Tokens(nn.Module):
     """Embedding (padding 0), optional learned positions, LayerNorm, one attention layer, a head on the mean."""
 
@@ -267,18 +286,7 @@ def test_normalisation_layers(case):
     the loop in float64; in training mode BatchNorm's batch statistics mix the examples and the recipes refuse."""
     models, images = normalised_models()
     model = models[case]
-    grads, how = tfr.per_sample_grads(model, F.cross_entropy, images, TARGETS, report=True)
-    norms, how_norms = tfr.per_sample_grad_norms(model, F.cross_entropy, images, TARGETS, report=True)
-    J, how_jacobian = tfr.output_jacobian(model, images, report=True)
-    assert (how.path, how_norms.path, how_jacobian.path) == ("fast", "fast", "fast"), (how, how_norms, how_jacobian)
-    reference = loop_grads(model, F.cross_entropy, images, TARGETS)
-    for name in reference:
-        torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(norms, norms_of(reference), rtol=1e-10, atol=1e-12)
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = [torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)]) for o in model(x[None])[0]])
-            for x in images]
-    torch.testing.assert_close(J, torch.stack(rows), rtol=1e-10, atol=1e-12)
+    check_paths_and_the_loop(model, images, "fast")
     if "BatchNorm" in case:  # refused before anything runs, naming the layer
         with pytest.raises(ValueError, match="is a BatchNorm in training mode"):
             tfr.per_sample_grads(model.train(), F.cross_entropy, images, TARGETS)
@@ -331,18 +339,7 @@ def test_rms_norm(case):
     model = RMSNormed(**options).double().eval()
     nn.init.normal_(model.norm.weight)  # not all ones, so that a wrong rule would show
     x = torch.randn(B, T, 4, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    grads, how = tfr.per_sample_grads(model, F.cross_entropy, x, TARGETS, report=True)
-    norms, how_norms = tfr.per_sample_grad_norms(model, F.cross_entropy, x, TARGETS, report=True)
-    J, how_jacobian = tfr.output_jacobian(model, x, report=True)
-    assert (how.path, how_norms.path, how_jacobian.path) == (path, path, path), (how, how_norms, how_jacobian)
-    reference = loop_grads(model, F.cross_entropy, x, TARGETS)
-    for name in reference:
-        torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(norms, norms_of(reference), rtol=1e-10, atol=1e-12)
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = [torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)]) for o in model(e[None])[0]])
-            for e in x]
-    torch.testing.assert_close(J, torch.stack(rows), rtol=1e-10, atol=1e-12)
+    check_paths_and_the_loop(model, x, path)
 
 
 def test_llama_rms_norm_takes_the_fast_path():
@@ -408,25 +405,14 @@ def test_a_residual_added_in_place_into_a_layer_output(case):
     images = torch.randn(B, 2, 4, 4, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
     model.train()(images)
     model.eval()
-    grads, how = tfr.per_sample_grads(model, F.cross_entropy, images, TARGETS, report=True)
-    norms, how_norms = tfr.per_sample_grad_norms(model, F.cross_entropy, images, TARGETS, report=True)
     clipped = tfr.clipped_grad_sum(model, F.cross_entropy, images, TARGETS, max_norm=0.1)
-    J, how_jacobian = tfr.output_jacobian(model, images, report=True)
     expected = RESIDUAL_CASES[case]
-    assert (how.path, how_norms.path, how_jacobian.path) == (expected,) * 3, (how, how_norms, how_jacobian)
+    reference, how = check_paths_and_the_loop(model, images, expected)
     if expected == "vmap":
         assert "in-place operation changed" in how.reason, how
-    reference = loop_grads(model, F.cross_entropy, images, TARGETS)
-    for name in reference:
-        torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(norms, norms_of(reference), rtol=1e-10, atol=1e-12)
     factors = (0.1 / (norms_of(reference) + 1e-6)).clamp(max=1.0)
     for name in reference:
         torch.testing.assert_close(clipped[name], torch.einsum("b,b...->...", factors, reference[name]), rtol=1e-10, atol=1e-12)
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = [torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)]) for o in model(x[None])[0]])
-            for x in images]
-    torch.testing.assert_close(J, torch.stack(rows), rtol=1e-10, atol=1e-12)
 
 
 class Tokenised(nn.Module):
@@ -472,18 +458,7 @@ def test_parameters_every_example_receives_whole(case):
     torch.manual_seed(9)
     model = Tokenised(misuse).double()
     x = torch.randn(B, T, 4, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
-    grads, how = tfr.per_sample_grads(model, F.cross_entropy, x, TARGETS, report=True)
-    norms, how_norms = tfr.per_sample_grad_norms(model, F.cross_entropy, x, TARGETS, report=True)
-    J, how_jacobian = tfr.output_jacobian(model, x, report=True)
-    assert (how.path, how_norms.path, how_jacobian.path) == (path,) * 3, (how, how_norms, how_jacobian)
-    reference = loop_grads(model, F.cross_entropy, x, TARGETS)
-    for name in reference:
-        torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(norms, norms_of(reference), rtol=1e-10, atol=1e-12)
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = [torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)]) for o in model(e[None])[0]])
-            for e in x]
-    torch.testing.assert_close(J, torch.stack(rows), rtol=1e-10, atol=1e-12)
+    check_paths_and_the_loop(model, x, path)
 
 
 @pytest.mark.parametrize("path", ["fast", "vmap"])
