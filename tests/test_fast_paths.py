@@ -37,9 +37,20 @@ def norms_of(grads):
     return torch.cat([g.flatten(1) for g in grads.values()], dim=1).norm(dim=1)
 
 
+def check_clipped_sum(clipped_sum, reference):
+    """clipped_sum(max_norm) (the book-kept DP step's sum on the fast path) equals clipping the loop's per-example
+    gradients to the median norm and summing them, in float64."""
+    max_norm = norms_of(reference).median().item()
+    factors = (max_norm / (norms_of(reference) + 1e-6)).clamp(max=1.0)
+    clipped = clipped_sum(max_norm)
+    for name in reference:
+        torch.testing.assert_close(clipped[name], torch.einsum("b,b...->...", factors, reference[name]), rtol=1e-10, atol=1e-12)
+
+
 def check_paths_and_the_loop(model, inputs, path):
     """per_sample_grads, per_sample_grad_norms and output_jacobian take `path` and equal the loop in float64:
-    gradients and norms against loop_grads, (B, Y, P) against one autograd call per output of each example.
+    gradients and norms against loop_grads, (B, Y, P) against one autograd call per output of each example;
+    clipped_grad_sum against the loop's gradients clipped and summed.
     Returns the loop's gradients and per_sample_grads' report."""
     grads, how = tfr.per_sample_grads(model, F.cross_entropy, inputs, TARGETS, report=True)
     norms, how_norms = tfr.per_sample_grad_norms(model, F.cross_entropy, inputs, TARGETS, report=True)
@@ -53,6 +64,7 @@ def check_paths_and_the_loop(model, inputs, path):
     rows = [torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)]) for o in model(x[None])[0]])
             for x in inputs]
     torch.testing.assert_close(J, torch.stack(rows), rtol=1e-10, atol=1e-12)
+    check_clipped_sum(lambda max_norm: tfr.clipped_grad_sum(model, F.cross_entropy, inputs, TARGETS, max_norm=max_norm), reference)
     return reference, how
 
 
@@ -219,6 +231,8 @@ def test_gpt2_conv1d_and_positions(tie):
     for name in reference:
         torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(norms, norms_of(reference), rtol=1e-10, atol=1e-12)
+    check_clipped_sum(lambda max_norm: tfr.clipped_grad_sum(model, loss_fn, targets=TARGETS, max_norm=max_norm, input_ids=IDS),
+                      reference)
 
 
 def test_a_conv1d_called_twice_is_refused():
@@ -405,14 +419,10 @@ def test_a_residual_added_in_place_into_a_layer_output(case):
     images = torch.randn(B, 2, 4, 4, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
     model.train()(images)
     model.eval()
-    clipped = tfr.clipped_grad_sum(model, F.cross_entropy, images, TARGETS, max_norm=0.1)
     expected = RESIDUAL_CASES[case]
-    reference, how = check_paths_and_the_loop(model, images, expected)
+    _, how = check_paths_and_the_loop(model, images, expected)
     if expected == "vmap":
         assert "in-place operation changed" in how.reason, how
-    factors = (0.1 / (norms_of(reference) + 1e-6)).clamp(max=1.0)
-    for name in reference:
-        torch.testing.assert_close(clipped[name], torch.einsum("b,b...->...", factors, reference[name]), rtol=1e-10, atol=1e-12)
 
 
 class Tokenised(nn.Module):

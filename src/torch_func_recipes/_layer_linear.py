@@ -75,6 +75,15 @@ class _LinearRule(_LayerRule):
         if bias is not None:
             columns[bias].copy_(per_example.sum(dim=2))
 
+    def weighted_sum(self, layer, g):
+        a, found = layer["a"].detach(), {}
+        g2 = g.reshape(-1, g.shape[-1])
+        if layer["weight"] is not None:
+            found[layer["weight"]] = g2.t() @ a.reshape(-1, a.shape[-1])
+        if layer["bias"] is not None:
+            found[layer["bias"]] = g2.sum(0)
+        return found
+
     def squared_norms(self, layer, g, batch):
         a, found = layer["a"].detach(), []
         a, g = a.reshape(batch, -1, a.shape[-1]), g.reshape(batch, -1, g.shape[-1])  # (B, T, d_in), (B, T, d_out)

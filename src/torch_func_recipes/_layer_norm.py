@@ -54,6 +54,16 @@ class _LayerNormRule(_LayerRule):
         if layer["bias"] is not None:
             columns[layer["bias"]].copy_(g.sum(2).transpose(0, 1).reshape(columns[layer["bias"]].shape))
 
+    def weighted_sum(self, layer, g):
+        size, found = math.prod(layer["shape"]), {}
+        g = g.reshape(-1, size)
+        if layer["weight"] is not None:
+            x_hat = F.layer_norm(layer["a"].detach(), layer["shape"], eps=layer["eps"]).reshape(-1, size)
+            found[layer["weight"]] = (g * x_hat).sum(0).view(layer["shape"])
+        if layer["bias"] is not None:
+            found[layer["bias"]] = g.sum(0).view(layer["shape"])
+        return found
+
     def squared_norms(self, layer, g, batch):
         size = math.prod(layer["shape"])
         x_hat = F.layer_norm(layer["a"].detach(), layer["shape"], eps=layer["eps"]).reshape(batch, -1, size)

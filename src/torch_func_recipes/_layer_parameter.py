@@ -86,6 +86,9 @@ class _ParameterRule(_LayerRule):
         target = columns[layer["weight"]]  # (B, Y, *p.shape)
         target.copy_(self._each(layer, delta, 1).transpose(0, 1).reshape(target.shape))
 
+    def weighted_sum(self, layer, g):
+        return {layer["weight"]: self._each(layer, g).sum(0, keepdim=True)}
+
     def squared_norms(self, layer, g, batch):
         return [(layer["weight"], self._each(layer, g).reshape(batch, -1).square().sum(1), "direct")]
 

@@ -64,6 +64,12 @@ class _LayerRule:
         (Y, B*r, ...), one output gradient per model output."""
         raise NotImplementedError
 
+    def weighted_sum(self, layer: dict, g: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """{parameter name: its gradient} for the layer's own parameters, given the gradient g at its output
+        (already weighted row by row, the book-kept DP step's clipped sum): the batch gradient's formula, so no
+        autograd call is needed. None (the default): the caller asks autograd."""
+        return None
+
     def squared_norms(self, layer: dict, g: torch.Tensor, batch: int) -> list[tuple[str, torch.Tensor, str]]:
         """[(parameter name, (batch,) squared norms of its per-example gradients, "ghost" or "direct")]."""
         raise NotImplementedError

@@ -396,8 +396,9 @@ def _lowest_layers(layers):
 def _clipped_from_outputs(layers, kept, weights, trainable):
     """[sum_i w_i g_i for each trainable parameter], from the traced layers alone: each layer's output gradient
     (kept: {layer index: gradient of the summed losses at its output}) weighted by its example's w_i, pulled back
-    to that layer's own parameters only. The fast path's trace guarantees each parameter has that one use, so
-    autograd walks only the layer's own operation (its input's gradient is not asked for)."""
+    to that layer's own parameters only: by the rule's own formula (weighted_sum: a linear layer's g^T a, one
+    matrix product), or else by autograd, which walks only the layer's own operation since the fast path's trace
+    guarantees each parameter has that one use (its input's gradient is not asked for)."""
     found: dict[str, torch.Tensor | None] = {}
     for k, layer in enumerate(layers):
         own = [name for name in (layer["weight"], layer["bias"]) if name is not None]
@@ -405,6 +406,10 @@ def _clipped_from_outputs(layers, kept, weights, trainable):
             continue
         g = kept[k]
         per_row = weights.to(g.dtype).repeat_interleave(g.shape[0] // len(weights)).view(-1, *[1] * (g.dim() - 1))
+        direct = _rule_named(layer["kind"]).weighted_sum(layer, g * per_row)  # the layer's own formula, where it has one
+        if direct is not None:
+            found.update(direct)
+            continue
         got = torch.autograd.grad(layer["z"], [trainable[name] for name in own], g * per_row, retain_graph=True,
                                   allow_unused=True)
         found.update(zip(own, got))
