@@ -293,3 +293,23 @@ def test_the_examples_apart_check_is_remembered_per_call_signature(recipe):
         PER_EXAMPLE[recipe](model, CE, (X, True), T)  # another argument: checked again
     with pytest.raises(ValueError, match="depends on the other examples of the batch"):
         PER_EXAMPLE[recipe](model.eval(), CE, (X, False), T)  # another mode: checked again
+
+
+def test_a_failed_trace_is_run_once_per_call_signature(monkeypatch):
+    """The trace of a model the fast path refuses (an in-place ReLU on a recorded output) runs once for a call
+    signature, not once a step, and again for another signature (another batch size, another mode); the
+    answers stay the loop's. Without the memory the count below would be 3, then 5."""
+    import torch_func_recipes._trace as trace
+
+    runs = []
+    run = trace._run_trace
+    monkeypatch.setattr(trace, "_run_trace", lambda *args: (runs.append(1), run(*args))[1])
+    torch.manual_seed(38)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 3)).double()
+    expected = flat(tfr.per_sample_grads(model, CE, X, T, path="loop"))
+    for _ in range(3):
+        assert torch.allclose(flat(tfr.per_sample_grads(model, CE, X, T)), expected, rtol=1e-10)
+    assert len(runs) == 1
+    tfr.per_sample_grads(model, CE, X[:3], T[:3])
+    tfr.per_sample_grads(model.eval(), CE, X, T)
+    assert len(runs) == 3

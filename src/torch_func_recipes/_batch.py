@@ -247,7 +247,16 @@ def _clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
 _APART: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _call_signature(model: nn.Module, batch: _Batch) -> tuple | None:
+def _per_model(memory: weakref.WeakKeyDictionary, model: Any, empty: Callable[[], Any]) -> Any:
+    """The model's entry of a per-model memory (_APART here, _trace._FAILED), made with empty() the first time; a
+    fresh, unremembered empty() for a model that cannot be weakly referenced."""
+    try:
+        return memory.setdefault(model, empty())
+    except TypeError:
+        return empty()
+
+
+def _call_signature(model: Any, batch: _Batch) -> tuple | None:
     """What a model's behaviour on a batch depends on besides its code and the tensors' values: the structure of
     the arguments, each tensor's shape, dtype, device and whether it carries examples, the other arguments'
     values, every submodule's train/eval mode and whether autograd records. None when an argument that is not a
@@ -263,7 +272,7 @@ def _call_signature(model: nn.Module, batch: _Batch) -> tuple | None:
             except TypeError:
                 return None
             parts.append((type(leaf), leaf))
-    modes = tuple(m.training for m in model.modules())
+    modes = tuple(m.training for m in model.modules()) if isinstance(model, nn.Module) else ()
     return len(batch.args), tuple(batch.kwargs), tuple(parts), modes, torch.is_grad_enabled()
 
 
@@ -287,10 +296,7 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     if len(batch) < 2 or _random_modules(model):
         return
     signature = _call_signature(model, batch)
-    try:
-        passed = _APART.setdefault(model, set())
-    except TypeError:  # not weakly referable: nothing remembered
-        passed = set()
+    passed = _per_model(_APART, model, set)
     if signature is not None and signature in passed:
         return
     try:

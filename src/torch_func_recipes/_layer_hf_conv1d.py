@@ -54,11 +54,8 @@ class _HFConv1DRule(_LinearRule):
             torch.sum(delta.view(batch, r, -1), dim=1, out=out[bias])
 
     def weighted_sum(self, layer, g):
-        a, found = layer["a"].detach(), {}
-        g2 = g.reshape(-1, g.shape[-1])
-        found[layer["weight"]] = a.reshape(-1, a.shape[-1]).t() @ g2  # stored (in, out): the linear layer's transpose
-        if layer["bias"] is not None:
-            found[layer["bias"]] = g2.sum(0)
+        found = super().weighted_sum(layer, g)
+        found[layer["weight"]] = found[layer["weight"]].t()  # stored (in, out): the linear layer's transpose
         return found
 
     def jacobian_rows(self, layer, delta, columns):

@@ -53,8 +53,7 @@ class _RMSNormRule(_LayerRule):
         columns[layer["weight"]].copy_(self._per_example(layer, delta, (delta.shape[0],)).transpose(0, 1))
 
     def weighted_sum(self, layer, g):
-        h = layer["a"].detach()
-        return {layer["weight"]: (g * h).reshape(-1, h.shape[-1]).sum(0)}
+        return {layer["weight"]: self._per_example(layer, g).sum(0)}
 
     def squared_norms(self, layer, g, batch):
         return [(layer["weight"], self._per_example(layer, g).square().sum(1), "direct")]

@@ -17,7 +17,7 @@ from torch.func import vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ._batch import _Batch, _scalar_loss
+from ._batch import _Batch, _call_signature, _per_model, _scalar_loss
 from ._layers import _LayerRule, _rule_of, _rules_for
 
 
@@ -387,28 +387,18 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
 _FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _signature(model, batch, trainable, need):
-    """What a trace's verdict depends on besides the model's code: the inputs' shapes, dtypes and devices, the
-    trainable parameters, every submodule's train/eval mode and whether autograd records."""
-    tensors = tuple((tuple(t.shape), t.dtype, t.device) for t in batch.tensors())
-    modes = tuple(m.training for m in model.modules()) if isinstance(model, nn.Module) else ()
-    return need, tensors, tuple(trainable), modes, torch.is_grad_enabled()
-
-
 def _traced_forward(model, batch, trainable, need="grads", owners=None):
     """Runs the model (or a function calling it) on a _Batch under the trace. Returns (output, layers, None)
     or (None, None, reason). need: what the caller asks of the layer rules ("grads", "jacobian", "norms");
     owners: from _owner_rules on the model. A trace that failed for this model and call signature before is
     not run again: its reason is returned at once."""
-    try:
-        failed = _FAILED.setdefault(model, {})
-    except TypeError:  # not weakly referable: nothing remembered
-        failed = {}
-    key = _signature(model, batch, trainable, need)
-    if key in failed:
+    failed = _per_model(_FAILED, model, dict)
+    signature = _call_signature(model, batch)  # shapes, dtypes, devices, other arguments, modes, grad mode
+    key = None if signature is None else (need, tuple(trainable), signature)
+    if key is not None and key in failed:
         return None, None, failed[key]
     output, layers, reason = _run_trace(model, batch, trainable, need, owners)
-    if reason is not None:
+    if reason is not None and key is not None:
         failed[key] = reason
     return output, layers, reason
 
