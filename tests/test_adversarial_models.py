@@ -213,3 +213,21 @@ def test_errors_name_the_problem(recipes):
         recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS[:3])
     with pytest.raises(ValueError, match=r"\(B, Y\)"):
         recipes["output_jacobian"](nn.Conv2d(1, 2, 3).double(), randn(4, 1, 5, 5))
+
+
+def test_a_tied_linear_layer_is_never_probed_and_no_candidate_means_no_extra_pass(recipes):
+    """The norms' vmap path probes the nn.Linear layers whose parameters one F.linear call uses once, found by a
+    forward pass of one example. A layer whose weight another module also registers is never a candidate, and
+    a model left with no candidate is not run at all (GPT-2 with tied embeddings: that pass cost a tenth of a
+    batch gradient on every call)."""
+    covered, as_batch = recipes["_covered_linear_layers"], recipes["_as_batch"]
+    model, x, _ = case("tied weights")
+    assert set(covered(model, as_batch(x), dict(model.named_parameters()))) == {"b"}  # a and c share a weight
+    only_tied = net(lambda m, x: m.b(torch.tanh(m.a(x))), width=6).double()
+    only_tied.b = nn.Linear(6, 6).double()
+    only_tied.b.weight = only_tied.a.weight
+    runs = []
+    only_tied.register_forward_pre_hook(lambda module, args: runs.append(1))
+    assert covered(only_tied, as_batch(x), dict(only_tied.named_parameters())) == {} and runs == []
+    norms = recipes["per_sample_grad_norms"](only_tied, F.cross_entropy, x, TARGETS)
+    assert close(norms, torch.cat([g.flatten(1) for g in loop_per_sample(only_tied, x, TARGETS).values()], 1).norm(dim=1))

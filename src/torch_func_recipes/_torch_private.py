@@ -146,6 +146,6 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "_scaled_dot_product_flash_attention, _efficient_attention, _cudnn_attention and "
                "_fused_attention_overrideable, are looked up by name where the release has them); " + _DISPATCH_ALIAS, None, None),
     PrivateAPI("torch.ops.aten._native_batch_norm_legit_no_training.default", "aten operator", ("_layer_batch_norm._BatchNormRule",
-                                                                                                  "_trace._BatchTrace.rule"),
+                                                                                                  "_trace._BatchTrace.category_of"),
                "F.batch_norm with running statistics in eval mode can dispatch to it rather than to native_batch_norm; " + _DISPATCH_ALIAS, None, None),
 )

@@ -73,24 +73,25 @@ def _tensors_in(values) -> list:
     return found
 
 
-_WRITES: dict = {}  # operator -> positions of the arguments it writes into, read once from its schema
-_POINTWISE: dict = {}  # operator -> whether it is tagged pointwise
-_SCHEMAS: dict = {}  # operator -> [(argument name, has a default, the default)]
+_SCHEMAS: dict = {}  # operator -> [(argument name, has a default, the default)], for _BatchTrace.values_of
 
 
 def _writes(func) -> tuple:
-    found = _WRITES.get(func)
-    if found is None:
-        found = _WRITES[func] = tuple(i for i, a in enumerate(func._schema.arguments)
-                                      if a.alias_info is not None and a.alias_info.is_write)
-    return found
+    """Positions of the arguments the operator writes into, from its schema."""
+    return tuple(i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _pointwise(func) -> bool:
-    found = _POINTWISE.get(func)
-    if found is None:
-        found = _POINTWISE[func] = torch.Tag.pointwise in func.tags
-    return found
+    return torch.Tag.pointwise in func.tags
+
+
+class _OpPlan(NamedTuple):
+    """What _BatchTrace does with one operator: the positions of the arguments it writes into, the layer rules whose
+    operations include it, and its general case in _BatchTrace.rule (_BatchTrace.category_of)."""
+    func: object
+    writes: tuple
+    rules: tuple
+    category: str | None
 
 
 class _NotPerExample(Exception):
@@ -140,9 +141,50 @@ class _BatchTrace(TorchDispatchMode):
         aten.rand_like.default, aten.randn_like.default, aten.new_zeros.default, aten.new_ones.default,
         aten.new_empty.default, aten.new_full.default}
 
+    # What the trace does with each operator, worked out once per operator and set of rules (an operator's hash is
+    # a Python call, and the trace meets a few hundred operations per forward pass): {id(rules): {id(operator):
+    # _OpPlan}}. Operators are never freed, so their ids stay theirs; the plan keeps the operator to be sure.
+    _PLANS: dict = {}
+
+    def plan_of(self, func):
+        plan = self.plans.get(id(func))
+        if plan is None or plan.func is not func:
+            plan = self.plans[id(func)] = _OpPlan(func, _writes(func), tuple(r for r in self.rules if func in r.ops),
+                                                  self.category_of(func))
+        return plan
+
+    @classmethod
+    def category_of(cls, func):
+        """Which of rule()'s general cases the operator falls in, tested in rule()'s order (None: none of them)."""
+        aten = cls.aten
+        if func in cls.CONSTANT_RESULT:
+            return "constant"
+        if func in cls.PER_ROW or _pointwise(func):
+            return "per_row"
+        if func in cls.ROW_PRESERVING:
+            return "row_preserving"
+        if func is aten.expand.default:
+            return "expand"
+        if func in cls.BY_DIM:
+            return "by_dim"
+        if func in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default):
+            return "matmul"
+        if func is aten.native_layer_norm.default:
+            return "layer_norm"
+        if func is aten.native_group_norm.default or func is aten._native_batch_norm_legit_no_training.default:
+            return "own_rows"
+        if "batch_norm" in func.name():
+            return "batch_norm"
+        if func is aten.embedding.default:
+            return "own_rows"
+        if func in cls.ATTENTION:
+            return "attention"
+        return None
+
     def __init__(self, batch, inputs, trainable, need="grads", owners=None):
         super().__init__()
         self.rules, self.owners = _rules_for(need), owners
+        self.plans = self._PLANS.setdefault(self.rules, {})
         self.batch, self.rows, self.keep = batch, {id(x): 1 for x in inputs}, list(inputs)  # inputs: the tensors with examples
         self.trainable = {id(p): name for name, p in trainable.items()}
         self.transposed = {}  # id(weight.t()) -> name of the weight
@@ -180,6 +222,7 @@ class _BatchTrace(TorchDispatchMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         self.keep.append(result)
+        plan = self.plan_of(func)
         flat_args = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
         ids = [id(a) for a in flat_args]
         if self.unknown and any(i in self.unknown for i in ids):
@@ -191,7 +234,7 @@ class _BatchTrace(TorchDispatchMode):
         params = [trainable[i] for i in ids if i in trainable]
         transposed = [self.transposed[i] for i in ids if i in self.transposed] if self.transposed else []
         shared = [i for i in ids if i in self.shared] if self.shared else []
-        for index in _writes(func):
+        for index in plan.writes:
             value = args[index] if index < len(args) else None
             if isinstance(value, torch.Tensor):
                 if self.param_of(value) is not None:
@@ -203,7 +246,7 @@ class _BatchTrace(TorchDispatchMode):
         if len(rs) > 1:
             self.fail(f"{func} combines tensors with different numbers of rows per example")
         r = rs.pop() if rs else None
-        out_r = self.rule(func, args, kwargs, result, r, params, transposed)
+        out_r = self.rule(func, args, kwargs, result, r, params, transposed, plan)
         for t in _tensors_in((result,)):
             if out_r is not None:
                 if t.dim() == 0 or t.shape[0] != self.batch * out_r:
@@ -230,16 +273,16 @@ class _BatchTrace(TorchDispatchMode):
         for i in ids:
             self.fresh.pop(i, None)
 
-    def rule(self, func, args, kwargs, result, r, params, transposed):
+    def rule(self, func, args, kwargs, result, r, params, transposed, plan=None):
         B = self.batch
-        for layer_rule in self.rules:  # operations that use a layer's parameters: the registry's rules (_layers)
-            if func in layer_rule.ops:
-                count = len(self.layers)
-                out_r = layer_rule.record(self, func, args, kwargs, result, r, params, transposed)
-                if out_r is not NotImplemented:
-                    for layer in self.layers[count:]:
-                        self.fresh[id(layer["z"])] = layer
-                    return out_r
+        plan = plan or self.plan_of(func)
+        for layer_rule in plan.rules:  # operations that use a layer's parameters: the registry's rules (_layers)
+            count = len(self.layers)
+            out_r = layer_rule.record(self, func, args, kwargs, result, r, params, transposed)
+            if out_r is not NotImplemented:
+                for layer in self.layers[count:]:
+                    self.fresh[id(layer["z"])] = layer
+                return out_r
         if params or transposed:
             self.fail(f"{func} uses parameter {(params + transposed)[0]} in a way the fast path does not know")
         tensors = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
@@ -254,30 +297,31 @@ class _BatchTrace(TorchDispatchMode):
         if r is None:  # derived from constants only
             return None
         out = _tensors_in((result,))
-        if func in self.CONSTANT_RESULT:
+        category = plan.category
+        if category == "constant":
             for t in out:
                 if isinstance(t, torch.Tensor):
                     self.rows.pop(id(t), None)
             return None
-        if func in self.PER_ROW or _pointwise(func):
+        if category == "per_row":
             if any(self.r_of(a) is not None and a.dim() != out[0].dim() for a in tensors):
                 self.fail(f"{func} broadcasts example data along another dimension")
             return r
-        if func in self.ROW_PRESERVING:
+        if category == "row_preserving":
             t = out[0]
             if t.numel() != args[0].numel() or t.dim() == 0 or t.shape[0] % B:
                 self.fail(f"{func} reshapes the batch dimension away")
             return t.shape[0] // B
-        if func is self.aten.expand.default:
+        if category == "expand":
             if args[0].dim() != out[0].dim() or out[0].shape[0] != args[0].shape[0]:
                 self.fail(f"{func} expands along the batch dimension")
             return r
-        if func in self.BY_DIM:
+        if category == "by_dim":
             dims = self.dims_of(func, args, kwargs)
             if dims is None or 0 in dims:
                 self.fail(f"{func} works along the batch dimension (dim={dims})")
             return r
-        if func in (self.aten.mm.default, self.aten.addmm.default, self.aten.bmm.default, self.aten.baddbmm.default):
+        if category == "matmul":
             mats = args[1:3] if func in (self.aten.addmm.default, self.aten.baddbmm.default) else args[:2]
             if func in (self.aten.mm.default, self.aten.addmm.default) and self.r_of(mats[1]) is not None:
                 self.fail(f"{func} multiplies by a matrix that holds example data")
@@ -286,17 +330,15 @@ class _BatchTrace(TorchDispatchMode):
             if self.r_of(mats[0]) is None and func in (self.aten.mm.default, self.aten.addmm.default):
                 self.fail(f"{func} multiplies example data from the right")
             return r
-        if func is self.aten.native_layer_norm.default:
+        if category == "layer_norm":
             if len(args[1]) >= args[0].dim():
                 self.fail(f"{func} normalises over the batch dimension")
             return r
-        if func is self.aten.native_group_norm.default or func is self.aten._native_batch_norm_legit_no_training.default:
+        if category == "own_rows":
             return r
-        if "batch_norm" in func.name() and self.values_of(func, args, kwargs).get("training") is False:
+        if category == "batch_norm" and self.values_of(func, args, kwargs).get("training") is False:
             return r  # running statistics: each example normalised on its own
-        if func is self.aten.embedding.default:
-            return r
-        if func in self.ATTENTION:
+        if category == "attention":
             query = args[0]
             rows = [a for a in tensors if self.r_of(a) is not None]
             if self.r_of(query) is None or query.dim() != 4 or any(a.dim() != 4 or a.shape[0] != query.shape[0] for a in rows):

@@ -277,12 +277,23 @@ class _ParameterUses(TorchFunctionMode):
 
 def _covered_linear_layers(model, batch, trainable):
     """{name: (module, {param name: param}, output shape of one example)} for the nn.Linear layers whose
-    trainable parameters are used exactly once, by the layer's own F.linear call."""
+    trainable parameters are used exactly once, by the layer's own F.linear call, found by one forward pass of one
+    example; a layer whose parameters another module also registers (a tied weight) is never a candidate, and a model
+    with no candidate is not run."""
     calls: dict[str, list] = {}
     handles = []
+    places: dict[int, int] = {}  # id(parameter) -> how many modules register it: a tied weight is never covered
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                places[id(p)] = places.get(id(p), 0) + 1
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and not (module._forward_hooks or module._forward_pre_hooks):
+        registered = [p for p in module._parameters.values() if p is not None]
+        if (isinstance(module, nn.Linear) and not (module._forward_hooks or module._forward_pre_hooks)
+                and any(p.requires_grad for p in registered) and all(places[id(p)] == 1 for p in registered)):
             handles.append(module.register_forward_hook(lambda m, a, z, name=name: calls.setdefault(name, []).append(z.shape)))
+    if not handles:  # no layer could be covered: no forward pass is needed to find that out
+        return {}
     uses = _ParameterUses(trainable)
     try:
         with torch.no_grad(), uses:
