@@ -444,6 +444,10 @@ def test_per_sample_grad_norms_and_clipped_step(recipes, name):
                                                  noise_multiplier=noise, generator=generator())
         reference = recipes["clip_and_noise"](per_sample, max_norm, noise, generator())
         assert step.keys() == reference.keys() and all(close(step[k], reference[k]) for k in step)
+    # without norms: one forward pass gives both, on the fast path by book-keeping (each layer kind's own formula)
+    step = recipes["clipped_noisy_gradient"](model, F.cross_entropy, x, TARGETS, max_norm=max_norm, noise_multiplier=0.0)
+    reference = recipes["clip_and_noise"](per_sample, max_norm, 0.0)
+    assert step.keys() == reference.keys() and all(close(step[k], reference[k]) for k in step)
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")

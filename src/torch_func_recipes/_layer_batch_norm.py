@@ -74,6 +74,15 @@ class _BatchNormRule(_LayerRule):
         if layer["bias"] is not None:
             columns[layer["bias"]].copy_(g.sum(3).transpose(0, 1))
 
+    def weighted_sum(self, layer, g):
+        weight, bias = self._shares(layer, g, layer["a"].shape[0] // layer["r"])
+        found = {}
+        if layer["weight"] is not None:
+            found[layer["weight"]] = weight.sum(0)
+        if layer["bias"] is not None:
+            found[layer["bias"]] = bias.sum(0)
+        return found
+
     def squared_norms(self, layer, g, batch):
         weight, bias = self._shares(layer, g, batch)
         found = []

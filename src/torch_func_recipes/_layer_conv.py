@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.grad import conv1d_weight, conv2d_weight
 
 from ._layers import _LayerRule, _register
 
@@ -69,6 +70,15 @@ class _ConvRule(_LayerRule):
         if weight is not None:
             products = torch.matmul(flat_delta.transpose(0, 1), patches[:, None].transpose(2, 3))  # (B, Y, O, C*kh*kw)
             columns[weight].copy_(products.view(columns[weight].shape))
+
+    def weighted_sum(self, layer, g):
+        a, found = layer["a"].detach(), {}
+        if layer["weight"] is not None:  # the batch gradient's own kernel (convolution_backward), on the weighted g
+            weight_of = conv2d_weight if a.dim() == 4 else conv1d_weight
+            found[layer["weight"]] = weight_of(a, layer["weight_shape"], g, layer["stride"], layer["padding"], layer["dilation"])
+        if layer["bias"] is not None:
+            found[layer["bias"]] = g.sum([0, *range(2, g.dim())])
+        return found
 
     def squared_norms(self, layer, g, batch):
         patches, delta = _im2col(layer, layer["a"].detach(), g)  # (B, C*k, L) and (B, O, L): a linear layer with L positions as tokens
