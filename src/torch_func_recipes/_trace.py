@@ -463,7 +463,7 @@ def _run_trace(model, batch, trainable, need, owners):
     unused += [info["weight"] for info in tracer.shared.values() if not info["added"]]
     if unused:
         kinds = " or ".join(rule.kind for rule in tracer.rules)
-        return None, None, f"parameter {unused[0]} is not used as the weight or bias of a {kinds} operation"
+        return None, None, f"parameter {unused[0]} is not used by an operation its layer's rule ({kinds}) recognises"
     for layer in tracer.layers:
         if (layer["a"]._version, layer["z"]._version) != layer["versions"]:
             return None, None, f"an in-place operation changed the input or output of the layer of {layer['weight'] or layer['bias']}"

@@ -88,7 +88,7 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
             if reason is None:
                 assert out is not None  # written by the first chunk
                 report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
-                                     "and every trainable parameter is the weight or bias of one operation of a layer it covers")
+                                     "and every trainable parameter is used once, by an operation its layer's rule covers")
                 return (out, report_) if report else out
         if path == "fast":
             raise ValueError(f"the fast path does not apply: {reason}")

@@ -112,7 +112,7 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
                     break
             if reason is None:
                 report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
-                                     "and every trainable parameter is the weight or bias of one operation of a layer it covers")
+                                     "and every trainable parameter is used once, by an operation its layer's rule covers")
                 return (result, report_) if report else result
         if path == "fast":
             raise ValueError(f"the fast path does not apply: {reason}")
