@@ -517,8 +517,8 @@ def _squared_norms_by_vmap(model, loss_fn, batch, layers, streamed, chunk_size):
                            in_dims=(None, 0, *in_dims), randomness="different")
         probes = [torch.zeros((n, *shape), dtype=dtype, device=device) for _, _, shape in layers.values()]
         (rest_grads, output_grads), layer_inputs = per_example(rest, probes, *values)
-        for g in rest_grads.values():
-            squares[rows] += g.reshape(n, -1).square().sum(1)
+        if rest_grads:  # one norm per parameter and example, then one sum: a few operations per parameter, no copy
+            squares[rows] += torch.stack([torch.linalg.vector_norm(g.reshape(n, -1), dim=1) for g in rest_grads.values()]).square().sum(0)
         for (module, own, _), a, g in zip(layers.values(), layer_inputs, output_grads):
             a, g = a.reshape(n, -1, a.shape[-1]), g.reshape(n, -1, g.shape[-1])  # (n, T, d_in), (n, T, d_out)
             for name, p in own.items():
