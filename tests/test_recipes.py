@@ -40,6 +40,14 @@ def zoo():
                    torch.randn(5, 2, 9, generator=g)),
         "conv2d": (nn.Sequential(nn.Conv2d(1, 4, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 3 * 3, 3)),
                    torch.randn(5, 1, 8, 8, generator=g)),
+        # groups: two groups with padding and dilation, a depthwise convolution with a stride (ConvNeXt's kind), then
+        # two groups on one output position (its weight's norm by pairs of positions, "ghost")
+        "grouped conv2d": (nn.Sequential(nn.Conv2d(4, 6, 3, groups=2, padding=2, dilation=2), nn.ReLU(),
+                                         nn.Conv2d(6, 6, 3, groups=6, stride=2), nn.Tanh(), nn.Conv2d(6, 8, 3, groups=2),
+                                         nn.Flatten(), nn.Linear(8, 3)),
+                           torch.randn(5, 4, 8, 8, generator=g)),
+        "grouped conv1d": (nn.Sequential(nn.Conv1d(4, 6, 3, groups=2, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(6 * 9, 3)),
+                           torch.randn(5, 4, 9, generator=g)),
         "embedding": (nn.Sequential(nn.Embedding(11, 4), nn.Flatten(), nn.Linear(12, 3)), torch.randint(11, (5, 3), generator=g)),
         "LayerNorm": (nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3)), torch.randn(5, 6, generator=g)),
         "GroupNorm": (nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)),

@@ -1,7 +1,9 @@
-"""The fast path's rule for nn.Conv1d and nn.Conv2d (ungrouped, not transposed): a linear map of patches.
+"""The fast path's rule for nn.Conv1d and nn.Conv2d (not transposed): a linear map of patches.
 
 Each output position of a convolution is a linear layer applied to the patch it sees, so the
-per-example products are those of a linear layer with the positions as rows (im2col). A convolution
+per-example products are those of a linear layer with the positions as rows (im2col). A grouped
+convolution (depthwise included) is one such linear layer per group: group k's output channels see
+only group k's input channels, whose entries are one contiguous block of each patch. A convolution
 whose parameters are all frozen passes through with one row per example. Registered in _layers; also
 copied, without this docstring, into the notebook cells tagged `shared-package` by
 scripts/build_shared.py: edit it here.
@@ -34,6 +36,14 @@ def _im2col(layer, a, delta):
     return patches.reshape(batch, -1, rows * cols), delta.flatten(-2)  # im2col: one copy
 
 
+def _grouped(layer, a, delta):
+    """_im2col's patches and delta split by group: (B, G, C/G*kh*kw, L) and (..., B, G, O/G, L)."""
+    patches, delta = _im2col(layer, a, delta)
+    groups = layer["groups"]
+    return (patches.view(patches.shape[0], groups, -1, patches.shape[-1]),
+            delta.view(*delta.shape[:-2], groups, -1, delta.shape[-1]))
+
+
 class _ConvRule(_LayerRule):
     kind = "conv"
     modules = (nn.Conv1d, nn.Conv2d)
@@ -47,51 +57,53 @@ class _ConvRule(_LayerRule):
         if r is None or trace.r_of(a) != 1 or trace.r_of(w) is not None or trace.r_of(b) is not None:
             trace.fail(f"{func}: only the input may carry example data")
         if weight or bias:
-            if transposed_conv or groups != 1 or a.dim() not in (3, 4):
-                trace.fail(f"{func}: transposed, grouped or 3-D convolutions are not on the fast path")
+            if transposed_conv or a.dim() not in (3, 4):
+                trace.fail(f"{func}: transposed or 3-D convolutions are not on the fast path")
             trace.layers.append(dict(kind=self.kind, weight=trace.use(weight, func, self), bias=trace.use(bias, func, self),
-                                     a=a, z=result, r=1, stride=stride, padding=padding, dilation=dilation,
+                                     a=a, z=result, r=1, stride=stride, padding=padding, dilation=dilation, groups=groups,
                                      weight_shape=w.shape, versions=(a._version, result._version)))
         return 1
 
     def per_example_grads(self, layer, delta, out):
         a, weight, bias = layer["a"].detach(), layer["weight"], layer["bias"]
-        patches, flat_delta = _im2col(layer, a, delta)
+        patches, grouped_delta = _grouped(layer, a, delta)  # (B, G, C/G*k, L), (B, G, O/G, L)
         if bias is not None:
-            torch.sum(flat_delta, dim=2, out=out[bias])
+            torch.sum(grouped_delta.flatten(1, 2), dim=2, out=out[bias])
         if weight is not None:
-            torch.bmm(flat_delta, patches.transpose(1, 2), out=out[weight].view(len(a), flat_delta.shape[1], -1))
+            torch.matmul(grouped_delta, patches.transpose(2, 3), out=out[weight].view(*grouped_delta.shape[:3], -1))
 
     def jacobian_rows(self, layer, delta, columns):
         a, weight, bias = layer["a"].detach(), layer["weight"], layer["bias"]
-        patches, flat_delta = _im2col(layer, a, delta)  # flat_delta: (Y, B, O, L)
+        patches, grouped_delta = _grouped(layer, a, delta)  # (B, G, C/G*k, L), (Y, B, G, O/G, L)
         if bias is not None:
-            columns[bias].copy_(flat_delta.sum(dim=3).transpose(0, 1))
+            columns[bias].copy_(grouped_delta.flatten(2, 3).sum(dim=3).transpose(0, 1))
         if weight is not None:
-            products = torch.matmul(flat_delta.transpose(0, 1), patches[:, None].transpose(2, 3))  # (B, Y, O, C*kh*kw)
-            columns[weight].copy_(products.view(columns[weight].shape))
+            products = torch.matmul(grouped_delta.transpose(0, 1), patches[:, None].transpose(3, 4))  # (B, Y, G, O/G, C/G*k)
+            columns[weight].copy_(products.reshape(columns[weight].shape))
 
     def weighted_sum(self, layer, g):
         a, found = layer["a"].detach(), {}
         if layer["weight"] is not None:  # the batch gradient's own kernel (convolution_backward), on the weighted g
             weight_of = conv2d_weight if a.dim() == 4 else conv1d_weight
-            found[layer["weight"]] = weight_of(a, layer["weight_shape"], g, layer["stride"], layer["padding"], layer["dilation"])
+            found[layer["weight"]] = weight_of(a, layer["weight_shape"], g, layer["stride"], layer["padding"], layer["dilation"],
+                                               layer["groups"])
         if layer["bias"] is not None:
             found[layer["bias"]] = g.sum([0, *range(2, g.dim())])
         return found
 
     def squared_norms(self, layer, g, batch):
-        patches, delta = _im2col(layer, layer["a"].detach(), g)  # (B, C*k, L) and (B, O, L): a linear layer with L positions as tokens
+        # (B, G, C/G*k, L) and (B, G, O/G, L): per group, a linear layer with the L positions as tokens
+        patches, delta = _grouped(layer, layer["a"].detach(), g)
         found = []
         if layer["bias"] is not None:
-            found.append((layer["bias"], delta.sum(2).square().sum(1), "direct"))
+            found.append((layer["bias"], delta.sum(3).square().sum((1, 2)), "direct"))
         if layer["weight"] is not None:
-            positions, k, o = delta.shape[2], patches.shape[1], delta.shape[1]
+            positions, k, o = delta.shape[3], patches.shape[2], delta.shape[2]
             if positions * positions * (k + o) <= positions * k * o:
-                pairs = (patches.transpose(1, 2) @ patches) * (delta.transpose(1, 2) @ delta)
-                found.append((layer["weight"], pairs.sum((1, 2)), "ghost"))
+                pairs = (patches.transpose(2, 3) @ patches) * (delta.transpose(2, 3) @ delta)
+                found.append((layer["weight"], pairs.sum((1, 2, 3)), "ghost"))
             else:
-                found.append((layer["weight"], (delta @ patches.transpose(1, 2)).square().sum((1, 2)), "direct"))
+                found.append((layer["weight"], (delta @ patches.transpose(2, 3)).square().sum((1, 2, 3)), "direct"))
         return found
 
 
