@@ -484,3 +484,41 @@ def test_output_jacobian_through_dropout_in_training_mode(path):
     kept = torch.stack([torch.stack([blocks[b, j, j] != 0 for j in range(C)]) for b in range(8)])  # (B, Y, 16)
     assert bool((kept == kept[:, :1]).all())  # one mask per example, shared by its rows
     assert len({tuple(k[0].tolist()) for k in kept}) > 1  # not one mask for the whole batch
+
+
+class LayerScaled(nn.Module):
+    """ConvNeXt's layer scale (transformers' layer_scale_parameter): a parameter of one number per feature that
+    multiplies the example data along its last dimension; `misuse` breaks one assumption of the parameter rule."""
+
+    def __init__(self, misuse=None):
+        super().__init__()
+        self.a, self.head = nn.Linear(4, D), nn.Linear(D, C)
+        scales = torch.linspace(0.5, 1.5, T)[:, None] if misuse == "scale along the tokens" else torch.linspace(0.5, 1.5, D)
+        self.gamma = nn.Parameter(scales)  # (D,), or (T, 1): one number per token, broadcast over the features
+        self.misuse = misuse
+
+    def forward(self, x):  # x: (B, T, 4)
+        h = torch.tanh(self.a(x))
+        if self.misuse == "scale used twice":
+            h = self.gamma * (self.gamma * h)
+        elif self.misuse == "one plus the scale":
+            h = (1 + self.gamma) * h
+        else:
+            h = h * self.gamma
+        return self.head(h.mean(1))
+
+
+SCALE_CASES = {"a layer scale": (None, "fast"), "scale used twice": ("scale used twice", "vmap"),
+               "one plus the scale": ("one plus the scale", "vmap"), "scale along the tokens": ("scale along the tokens", "vmap")}
+
+
+@pytest.mark.parametrize("case", SCALE_CASES)
+def test_a_layer_scale(case):
+    """A layer scale on the fast path, equal to the loop in float64 for gradients, norms, (B, Y, P) and the
+    book-kept clipped sum; used twice, shifted by one or scaling another dimension, it is refused by the trace
+    and still equals the loop."""
+    misuse, path = SCALE_CASES[case]
+    torch.manual_seed(11)
+    model = LayerScaled(misuse).double()
+    x = torch.randn(B, T, 4, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    check_paths_and_the_loop(model, x, path)

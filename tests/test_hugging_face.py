@@ -1,8 +1,8 @@
 """Hugging Face models called as they are (issue 27, item 2): tiny, randomly initialised GPT-2, BERT with its usual
 2-D padding mask, Llama (RMSNorm, rotary embeddings, grouped key-value heads), transformers' own ResNet (BatchNorm
-in eval mode) and a ViT, built from configs (HF_HUB_OFFLINE=1: nothing is downloaded), called with their own keyword
-inputs, their ModelOutput handed to loss_fn. Every per-example recipe equals the per-example loop in float64, and
-takes the path recorded in PATHS (the closing notes' table); Opacus's hooks are shown wrong for position
+in eval mode), a ViT and a ConvNeXt (depthwise convolutions, a layer scale), built from configs (HF_HUB_OFFLINE=1:
+nothing is downloaded), called with their own keyword inputs, their ModelOutput handed to loss_fn. Every per-example
+recipe equals the per-example loop in float64, and takes the path recorded in PATHS (the closing notes' table); Opacus's hooks are shown wrong for position
 embeddings broadcast over the batch, and right elsewhere."""
 import os
 import warnings
@@ -57,14 +57,23 @@ def vit():
     return transformers.ViTForImageClassification(config), {"pixel_values": PIXELS}, lambda out: out.logits
 
 
-BUILDERS = {"GPT-2": gpt2, "BERT, 2-D padding mask": bert, "Llama, 2-D padding mask": llama, "ResNet, BatchNorm in eval mode": resnet, "ViT": vit}
+def convnext():  # depthwise convolutions, a channels-last LayerNorm, a layer scale per feature
+    config = transformers.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=C,
+                                         image_size=16, layer_scale_init_value=0.5)
+    return transformers.ConvNextForImageClassification(config), {"pixel_values": PIXELS}, lambda out: out.logits
+
+
+BUILDERS = {"GPT-2": gpt2, "BERT, 2-D padding mask": bert, "Llama, 2-D padding mask": llama, "ResNet, BatchNorm in eval mode": resnet, "ViT": vit,
+            "ConvNeXt": convnext}
 # The path each recipe takes on each model today, and why (the fast path covers linear, conv, GPT-2's Conv1D,
 # LayerNorm, RMSNorm, GroupNorm, eval-mode BatchNorm, embeddings and parameters every example receives whole, such as
-# ViT's class token; GPT-2's LM head ties its weight to the token table, used twice; the ResNet's shortcut added in
-# place into a BatchNorm output is allowed; tests/test_fast_paths.py has GPT-2 untied and a Llama without a mask).
+# ViT's class token and ConvNeXt's layer scale, and grouped convolutions such as ConvNeXt's depthwise ones; GPT-2's
+# LM head ties its weight to the token table, used twice; the ResNet's shortcut added in place into a BatchNorm output
+# is allowed; tests/test_fast_paths.py has GPT-2 untied and a Llama without a mask).
 # A 2-D padding mask (BERT's, Llama's) meets a data-dependent check inside transformers (a .all() on the mask),
 # which vmap cannot run: the recipes fall back to the loop, and stay right.
-PATHS = {"GPT-2": "vmap", "BERT, 2-D padding mask": "loop", "Llama, 2-D padding mask": "loop", "ResNet, BatchNorm in eval mode": "fast", "ViT": "fast"}
+PATHS = {"GPT-2": "vmap", "BERT, 2-D padding mask": "loop", "Llama, 2-D padding mask": "loop", "ResNet, BatchNorm in eval mode": "fast", "ViT": "fast",
+         "ConvNeXt": "fast"}
 
 
 def build(name):

@@ -120,7 +120,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                                                        "_layer_embedding._EmbeddingRule.record", "_layer_group_norm._GroupNormRule.record",
                                                        "_layer_hf_conv1d._HFConv1DRule.record",
                                                        "_layer_linear._LinearRule.record", "_layer_norm._LayerNormRule.record",
-                                                       "_layer_parameter._ParameterRule._record_cat", "_layer_parameter._ParameterRule.record",
+                                                       "_layer_parameter._ParameterRule._record_cat", "_layer_parameter._ParameterRule._record_scale",
+                                                       "_layer_parameter._ParameterRule.record",
                                                        "_layer_rms_norm._RMSNormRule.record", "_trace._BatchTrace.follow_fresh",
                                                        "_trace._run_trace"),
                "the version counter is the only record that an in-place operation changed a layer's input or output "
