@@ -155,6 +155,8 @@ def test_fast_path_or_refusal_and_the_loop(case):
     for name in reference:
         torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(norms, norms_of(reference), rtol=1e-10, atol=1e-12)
+    # the DP step's clipped sum, book-kept on the fast path: the padding row gets nothing, a shared lookup its sum
+    check_clipped_sum(lambda max_norm: tfr.clipped_grad_sum(model, loss_fn, IDS, TARGETS, max_norm=max_norm), reference)
 
 
 def test_the_trace_names_what_stops_it():

@@ -34,10 +34,11 @@ class _EmbeddingRule(_LayerRule):
             trace.fail(f"{func}: only the indices may carry example data, without scale_grad_by_freq")
         if trace.r_of(ids) is None:  # ids every example shares: follow the result to its broadcast
             trace.shared[id(result)] = dict(weight=trace.use(trace.param_of(w), func, self), ids=ids,
-                                            padding_idx=values["padding_idx"], added=False)
+                                            padding_idx=values["padding_idx"], added=False, table_shape=tuple(w.shape))
             return None
         trace.layers.append(dict(kind=self.kind, weight=trace.use(trace.param_of(w), func, self), bias=None, a=ids, z=result,
-                                 r=trace.r_of(ids), padding_idx=values["padding_idx"], versions=(ids._version, result._version)))
+                                 r=trace.r_of(ids), padding_idx=values["padding_idx"], table_shape=tuple(w.shape),
+                                 versions=(ids._version, result._version)))
         return trace.r_of(ids)
 
     def per_example_grads(self, layer, delta, out):
@@ -83,13 +84,22 @@ class _EmbeddingRule(_LayerRule):
             trace.fail(f"{func}: the table lookup of {info['weight']} is used twice")
         info["added"] = True
         trace.layers.append(dict(kind=self.kind, weight=info["weight"], bias=None, a=info["ids"], z=result, r=1,
-                                 padding_idx=info["padding_idx"], shared=how, versions=(info["ids"]._version, result._version)))
+                                 padding_idx=info["padding_idx"], shared=how, table_shape=info["table_shape"],
+                                 versions=(info["ids"]._version, result._version)))
         return r
 
     @staticmethod
     def _ids(layer, batch):
         """(B, positions) ids of each example: its own, or the ones every example shares."""
         return layer["a"].reshape(1, -1).expand(batch, -1) if layer.get("shared") == "broadcast" else layer["a"].reshape(batch, -1)
+
+    def weighted_sum(self, layer, g):
+        ids = self._ids(layer, g.shape[0] // layer["r"]).reshape(-1)  # the batch gradient's own arithmetic: rows added up
+        g = g.reshape(ids.numel(), -1)
+        if layer["padding_idx"] >= 0:  # PyTorch gives the padding row no gradient
+            real = ids != layer["padding_idx"]
+            ids, g = ids[real], g[real]
+        return {layer["weight"]: g.new_zeros(layer["table_shape"]).index_add_(0, ids, g)}
 
     def squared_norms(self, layer, g, batch):
         ids = self._ids(layer, batch)
