@@ -63,8 +63,10 @@ CASES = {
     "batch statistics by hand": (mixing(lambda h: (h - h.mean(0)) * torch.rsqrt(h.pow(2).mean(0) + 1.0)), "refused"),
     "one layer used twice": (net(lambda m, x: m.b(torch.tanh(m.a(torch.tanh(m.a(x))))), width=6), "vmap"),
     "tied weights": (tied(), "vmap"),
-    "a bare nn.Parameter in forward": (net(lambda m, x: m.b(torch.tanh(m.a(x)) * m.scale),
-                                           scale=nn.Parameter(torch.linspace(0.5, 1.5, 8))), "vmap"),
+    # a bare parameter that scales each feature is a layer scale (the parameter rule); one used as a matrix is not
+    "a layer scale": (net(lambda m, x: m.b(torch.tanh(m.a(x)) * m.scale), scale=nn.Parameter(torch.linspace(0.5, 1.5, 8))), "fast"),
+    "a bare nn.Parameter in forward": (net(lambda m, x: m.b(torch.tanh(m.a(x)) @ m.mix),
+                                           mix=nn.Parameter(torch.linspace(0.5, 1.5, 64).view(8, 8))), "vmap"),
     "a weight used outside its layer": (net(lambda m, x: m.b(torch.tanh(m.a(x))) + 0.1 * (x @ m.a.weight.T)[:, :3]), "vmap"),
     "forward hook that changes an output": (
         mlp(lambda m: m[0].register_forward_hook(lambda module, args, output: 2.0 * output + 1.0)), "fast"),
