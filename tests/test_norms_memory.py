@@ -86,3 +86,45 @@ def test_the_counter_sees_per_example_gradients():
     kept = {}
     peak = measure.peak_tensor_memory(lambda: kept.setdefault("g", tfr.per_sample_grads(model, F.cross_entropy, x, y)))
     assert (peak - base) / (4 * sum(p.numel() for p in model.parameters())) > 1.1 * 4
+
+
+class PointwiseChain(nn.Module):
+    """Two linear layers joined by 24 operations with plain numbers, none of whose results autograd saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 512), nn.Linear(512, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        for _ in range(12):
+            h = (h + 1.0) * 0.5
+        return self.b(h)
+
+
+def test_the_fast_paths_trace_does_not_keep_every_intermediate():
+    """The trace maps tensors by id; it once kept every result of the forward pass alive so that no id could be
+    reused, holding intermediates autograd frees: on this chain the norms' peak was 8.3 times a batch gradient's.
+    It now forgets the id of a freed result instead, and the peak is the batch pass's plus the layers' recorded
+    inputs and outputs, 1.3 times here; at most 2 times is asked (a second copy of the hidden layer's activations
+    is 1.3 times)."""
+    torch.manual_seed(0)
+    model = PointwiseChain().double()
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    t = torch.randint(0, 3, (256,), generator=torch.Generator().manual_seed(2))
+    norms = lambda: tfr.per_sample_grad_norms(model, F.cross_entropy, x, t)  # noqa: E731
+    assert tfr.per_sample_grad_norms(model, F.cross_entropy, x, t, report=True)[1].path == "fast"
+    batch = measure.peak_tensor_memory(lambda: torch.autograd.grad(F.cross_entropy(model(x), t), list(model.parameters())))
+    assert measure.peak_tensor_memory(norms) <= 2 * batch
+
+
+def test_the_trace_forgets_a_freed_result(recipes):
+    """A result freed during the trace leaves no trace of its id (which Python may give a new tensor)."""
+    x = torch.randn(4, 3, dtype=torch.float64)
+    trace = recipes["_BatchTrace"](4, [x], {})
+    with trace:
+        h = x * 2.0
+        i = id(h)
+        assert trace.rows[i] == 1 and i in trace.refs
+        del h
+        assert i not in trace.rows and i not in trace.refs

@@ -67,8 +67,13 @@ class _LayerRule:
     def weighted_sum(self, layer: dict, g: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """{parameter name: its gradient} for the layer's own parameters, given the gradient g at its output
         (already weighted row by row, the book-kept DP step's clipped sum): the batch gradient's formula, so no
-        autograd call is needed. None (the default): the caller asks autograd."""
+        autograd call is needed. The default, None: the caller asks autograd, and keeps the graph for it
+        (has_weighted_sum); a rule that overrides it must always answer."""
         return None
+
+    def has_weighted_sum(self) -> bool:
+        """Whether weighted_sum has the rule's own formula (else the clipped sum asks autograd, through the graph)."""
+        return type(self).weighted_sum is not _LayerRule.weighted_sum
 
     def squared_norms(self, layer: dict, g: torch.Tensor, batch: int) -> list[tuple[str, torch.Tensor, str]]:
         """[(parameter name, (batch,) squared norms of its per-example gradients, "ghost" or "direct")]."""

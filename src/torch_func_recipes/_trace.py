@@ -8,6 +8,7 @@ path a recipe call took. Also copied, without this docstring, into the notebook 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import NamedTuple
 
@@ -98,6 +99,13 @@ class _NotPerExample(Exception):
     """Raised inside the trace at the first operation the fast path cannot vouch for."""
 
 
+def _forget(tracer_ref, i, _):
+    """The callback of _BatchTrace.watch's weak references (holding the trace weakly: it may be gone)."""
+    tracer = tracer_ref()
+    if tracer is not None:
+        tracer.forget(i)
+
+
 class _BatchTrace(TorchDispatchMode):
     """Follows the examples through every ATen operation of one forward pass.
 
@@ -186,6 +194,8 @@ class _BatchTrace(TorchDispatchMode):
         self.rules, self.owners = _rules_for(need), owners
         self.plans = self._PLANS.setdefault(self.rules, {})
         self.batch, self.rows, self.keep = batch, {id(x): 1 for x in inputs}, list(inputs)  # inputs: the tensors with examples
+        self.refs = {}        # id(an operation's result) -> a weak reference whose callback forgets that id (watch)
+        self.retired = []     # what shared held for tensors freed since (its last check still counts them)
         self.trainable = {id(p): name for name, p in trainable.items()}
         self.transposed = {}  # id(weight.t()) -> name of the weight
         self.shared = {}      # id(a tensor every example shares, made from a parameter) -> what a layer rule needs of it
@@ -194,6 +204,27 @@ class _BatchTrace(TorchDispatchMode):
         self.failure = None
         self.unknown = set()
         self.fresh = {}       # id(a layer's output no operation has read yet) -> that layer
+
+    def watch(self, result):
+        """The maps of the trace are keyed by id(tensor), and Python reuses the id of a freed tensor. Keeping every
+        result alive would hold every intermediate of the forward pass (on a small Llama, more than half a batch
+        gradient's memory on top of what autograd saves); instead a weak reference to each result forgets its id
+        in every map the moment the tensor is freed, so a new tensor that gets the id starts unknown."""
+        for t in _tensors_in((result,)):
+            i = id(t)
+            if i not in self.refs:  # an id in refs is its live tensor's (an in-place result is its input)
+                self.refs[i] = weakref.ref(t, functools.partial(_forget, weakref.ref(self), i))
+
+    def forget(self, i):
+        """A result was freed: its id means nothing any more."""
+        self.refs.pop(i, None)
+        self.rows.pop(i, None)
+        self.unknown.discard(i)
+        self.transposed.pop(i, None)
+        self.fresh.pop(i, None)
+        info = self.shared.pop(i, None)
+        if info is not None:
+            self.retired.append(info)
 
     def fail(self, why):
         self.failure = why
@@ -221,7 +252,7 @@ class _BatchTrace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        self.keep.append(result)
+        self.watch(result)
         plan = self.plan_of(func)
         flat_args = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
         ids = [id(a) for a in flat_args]
@@ -460,7 +491,7 @@ def _run_trace(model, batch, trainable, need, owners):
     if not leaves or any(tracer.r_of(t) != 1 for t in leaves):  # a tensor, or a pytree of them (a ModelOutput)
         return None, None, "the model's output is not made of tensors with the examples along dimension 0"
     unused = [name for name in trainable if name not in tracer.used]
-    unused += [info["weight"] for info in tracer.shared.values() if not info["added"]]
+    unused += [info["weight"] for info in [*tracer.shared.values(), *tracer.retired] if not info["added"]]
     if unused:
         kinds = " or ".join(rule.kind for rule in tracer.rules)
         return None, None, f"parameter {unused[0]} is not used by an operation its layer's rule ({kinds}) recognises"

@@ -326,8 +326,9 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
 
     Returns:
         A (B,) tensor without autograd graph, with ``report=True`` a pair ``(norms, PathReport)``. Memory beyond
-        the model's own forward and backward pass: on the fast path, each layer's share reduced as the backward
-        pass reaches it (per chunk of ``chunk_size`` examples); elsewhere, ``chunk_size`` examples' gradients of
+        the model's own forward and backward pass: on the fast path, each covered layer's input and output,
+        kept from the forward pass, and each layer's share reduced as the backward pass reaches it (per chunk of
+        ``chunk_size`` examples); elsewhere, ``chunk_size`` examples' gradients of
         the streamed parameters and their intermediates, the whole batch's when ``chunk_size`` is None
         (``tests/test_norms_memory.py`` measures it).
 
@@ -417,8 +418,11 @@ def _clipped_from_outputs(layers, kept, weights, trainable):
             continue
         g = kept[k]
         per_row = weights.to(g.dtype).repeat_interleave(g.shape[0] // len(weights)).view(-1, *[1] * (g.dim() - 1))
-        direct = _rule_named(layer["kind"]).weighted_sum(layer, g * per_row)  # the layer's own formula, where it has one
-        if direct is not None:
+        rule = _rule_named(layer["kind"])
+        if rule.has_weighted_sum():  # the layer's own formula (the graph was not kept for these)
+            direct = rule.weighted_sum(layer, g * per_row)
+            if direct is None:
+                raise RuntimeError(f"the {rule.kind} rule defines weighted_sum but gave no answer")
             found.update(direct)
             continue
         got = torch.autograd.grad(layer["z"], [trainable[name] for name in own], g * per_row, retain_graph=True,
@@ -461,8 +465,10 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
         handles = [layer["z"].register_hook(lambda g, k=k: take(k, g)) for k, layer in enumerate(layers)
                    if k not in lowest and layer["z"].grad_fn is not None]
         try:
+            # the graph outlives this pass only for a clipped sum that some layer's rule leaves to autograd
+            asks_autograd = clipped is not None and any(not _rule_named(layer["kind"]).has_weighted_sum() for layer in layers)
             deltas = torch.autograd.grad(total, [layers[k]["z"] for k in lowest], allow_unused=True,
-                                         retain_graph=clipped is not None) if lowest else []
+                                         retain_graph=asks_autograd) if lowest else []
         finally:
             for handle in handles:
                 handle.remove()
