@@ -546,3 +546,19 @@ def test_stack_models_keeps_the_stacked_mode_and_refuses_mixed_modes(recipes):
         recipes["stack_models"](members)
     members[0].eval()
     assert close(before, torch.stack([m(x) for m in members]))
+
+
+@pytest.mark.parametrize("name", ["conv1d", "conv2d", "grouped conv2d", "grouped conv1d", "GroupNorm", "buffers, eval mode"])
+@pytest.mark.parametrize("threshold", [0, 10**12])
+def test_both_ways_to_a_convolutions_per_example_weights(name, threshold, monkeypatch):
+    """A convolution's per-example weight gradients come from im2col or from the batch gradient's kernel with the
+    examples as groups, whichever is faster for the layer's size: each way, on every convolution model of the zoo,
+    they equal the loop (the zoo's layers are small, so without the patch only im2col would run)."""
+    import torch_func_recipes as tfr
+    import torch_func_recipes._layer_conv as conv
+
+    monkeypatch.setattr(conv, "_PATCHES_FOR_THE_KERNEL", threshold)
+    model, x = ZOO[name]
+    got, report = tfr.per_sample_grads(model, F.cross_entropy, x, TARGETS, report=True)
+    expected = loop_per_sample(model, x, TARGETS)
+    assert report.path == "fast" and all(close(got[k], expected[k]) for k in expected)
