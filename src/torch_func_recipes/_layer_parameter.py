@@ -9,8 +9,8 @@ shape (features,) multiplies the last dimension of the example data x, so each e
 over its positions of g * x, as for an RMSNorm weight. The trace confirms the pattern at run time: the
 addition without any other broadcast, the expansion along the batch followed by one concatenation along
 another dimension, or the product along the last dimension; any other use (scaled, used twice, added to
-the wrong shape, a scale reshaped to multiply channels first) stops the fast path. It covers parameters not named weight or bias of the model's own
-modules (not of torch.nn's layers: an RNN's weight_ih_l0 is not such a parameter).
+the wrong shape, a scale of another shape) stops the fast path. It covers parameters not named weight or bias
+of the model's own modules (not of torch.nn's layers: an RNN's weight_ih_l0 is not such a parameter).
 Registered in _layers; also copied, without this docstring, into the notebook cells tagged
 `shared-package` by scripts/build_shared.py: edit it here.
 """

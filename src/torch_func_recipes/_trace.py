@@ -150,7 +150,7 @@ class _BatchTrace(TorchDispatchMode):
         aten.new_empty.default, aten.new_full.default}
 
     # What the trace does with each operator, worked out once per operator and set of rules (an operator's hash is
-    # a Python call, and the trace meets a few hundred operations per forward pass): {id(rules): {id(operator):
+    # a Python call, and the trace meets a few hundred operations per forward pass): {rules: {id(operator):
     # _OpPlan}}. Operators are never freed, so their ids stay theirs; the plan keeps the operator to be sure.
     _PLANS: dict = {}
 
