@@ -39,6 +39,13 @@ def mixing(mix):
     return net(lambda m, x: m.b(mix(torch.tanh(m.a(x)))))
 
 
+def saved_output(h):
+    """exp(h) as autograd saved it for the backward pass, fetched back after the result itself was freed (a new
+    tensor that shares its memory); exp(h) itself where no graph is recorded."""
+    grad_fn = h.exp().grad_fn
+    return grad_fn._saved_result if grad_fn is not None else h.exp()
+
+
 def mlp(*change):
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     for f in change:
@@ -78,6 +85,10 @@ CASES = {
     "frozen parameters": (mlp(lambda m: m[0].weight.requires_grad_(False), lambda m: m[2].bias.requires_grad_(False)), "fast"),
     "a roll through the flattened batch": (mixing(lambda h: h.reshape(-1).roll(8).reshape(h.shape)), "refused"),
     "torch.roll over the batch": (mixing(lambda h: torch.roll(h, 1, dims=0)), "refused"),
+    # example data the trace never saw made: a copy that shares its memory, an output autograd saved, a view's base
+    "example data through NumPy": (mixing(lambda h: h + torch.from_numpy(h.detach().numpy()).mean(0)), "refused"),
+    "an output autograd saved": (mixing(lambda h: h + 0.1 * saved_output(h).mean(0)), "refused"),
+    "a view's base fetched back": (mixing(lambda h: h + (h * 1.0)[:, :4]._base.mean(0)), "refused"),
 }
 INPUTS = {"seed CNN as a class": randn(6, 1, 14, 14), "seed MLP as a class": randn(6, 1, 4, 4)}
 X = randn(6, 6)

@@ -103,11 +103,11 @@ class PointwiseChain(nn.Module):
 
 
 def test_the_fast_paths_trace_does_not_keep_every_intermediate():
-    """The trace maps tensors by id; it once kept every result of the forward pass alive so that no id could be
-    reused, holding intermediates autograd frees: on this chain the norms' peak was 8.3 times a batch gradient's.
-    It now forgets the id of a freed result instead, and the peak is the batch pass's plus the layers' recorded
-    inputs and outputs, 1.3 times here; at most 2 times is asked (a second copy of the hidden layer's activations
-    is 1.3 times)."""
+    """The trace once kept every result of the forward pass alive so that no key could be reused, holding
+    intermediates autograd frees: on this chain the norms' peak was 8.3 times a batch gradient's. It now holds a
+    weak reference to each (which keeps the key, not the memory), and the peak is the batch pass's plus the
+    layers' recorded inputs and outputs, 1.3 times here; at most 2 times is asked (a second copy of the hidden
+    layer's activations is 1.3 times)."""
     torch.manual_seed(0)
     model = PointwiseChain().double()
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -118,13 +118,20 @@ def test_the_fast_paths_trace_does_not_keep_every_intermediate():
     assert measure.peak_tensor_memory(norms) <= 2 * batch
 
 
-def test_the_trace_forgets_a_freed_result(recipes):
-    """A result freed during the trace leaves no trace of its id (which Python may give a new tensor)."""
+def test_the_trace_knows_a_tensor_by_its_cpp_tensor(recipes):
+    """The trace keys tensors by their C++ tensor, whose address its weak reference keeps from reuse while the
+    memory is freed: a result whose Python object is gone stays known (PyTorch may hand it back), and a tensor
+    made without an operation the trace saw that shares example data's memory is refused."""
     x = torch.randn(4, 3, dtype=torch.float64)
     trace = recipes["_BatchTrace"](4, [x], {})
     with trace:
         h = x * 2.0
-        i = id(h)
-        assert trace.rows[i] == 1 and i in trace.refs
+        key = h._cdata
         del h
-        assert i not in trace.rows and i not in trace.refs
+        assert trace.rows[key] == 1 and trace.refs[key].expired()
+        h = x * 3.0
+        with pytest.raises(recipes["_NotPerExample"], match="shares memory with example data"):
+            torch.from_numpy(h.detach().numpy()).sum(0)
+    constant, trace = torch.ones(3, dtype=torch.float64), recipes["_BatchTrace"](4, [x], {})
+    with trace:  # a constant from outside the forward pass is admitted
+        assert trace.r_of(x + constant) == 1 and not trace.refs[constant._cdata].expired()

@@ -33,8 +33,8 @@ class _EmbeddingRule(_LayerRule):
         if trace.param_of(w) is None or values["scale_grad_by_freq"]:
             trace.fail(f"{func}: only the indices may carry example data, without scale_grad_by_freq")
         if trace.r_of(ids) is None:  # ids every example shares: follow the result to its broadcast
-            trace.shared[id(result)] = dict(weight=trace.use(trace.param_of(w), func, self), ids=ids,
-                                            padding_idx=values["padding_idx"], added=False, table_shape=tuple(w.shape))
+            trace.share(result, dict(weight=trace.use(trace.param_of(w), func, self), ids=ids,
+                                     padding_idx=values["padding_idx"], added=False, table_shape=tuple(w.shape)))
             return None
         trace.layers.append(dict(kind=self.kind, weight=trace.use(trace.param_of(w), func, self), bias=None, a=ids, z=result,
                                  r=trace.r_of(ids), padding_idx=values["padding_idx"], table_shape=tuple(w.shape),
@@ -67,12 +67,12 @@ class _EmbeddingRule(_LayerRule):
         table.copy_(summed.index_add_(0, where, g.to(table.dtype)).view(table.shape))
 
     def _record_broadcast(self, trace, func, args, kwargs, result, r):
-        shared = [a for a in args[:2] if isinstance(a, torch.Tensor) and "ids" in trace.shared.get(id(a), ())]
+        shared = [a for a in args[:2] if isinstance(a, torch.Tensor) and "ids" in (trace.shared_of(a) or ())]
         if not shared:
             return NotImplemented
         e = shared[0]
         x = args[1] if e is args[0] else args[0]
-        info = trace.shared[id(e)]
+        info = trace.shared_of(e)
         per_example_shape = tuple(result.shape[1:])
         # e broadcast over the batch (one lookup for all), or one row of lookups per example (ids of the batch's size)
         how = ("broadcast" if tuple(e.shape) in (per_example_shape, (1, *per_example_shape)) else

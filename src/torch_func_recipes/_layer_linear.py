@@ -24,12 +24,12 @@ class _LinearRule(_LayerRule):
     def record(self, trace, func, args, kwargs, result, r, params, transposed):
         if func in (_aten.t.default, _aten.transpose.int, _aten.permute.default):
             if params and r is None and len(params) == 1 and args[0].dim() == 2:  # weight.t() on the way to a linear layer
-                trace.transposed[id(result)] = params[0]
+                trace.mark_transposed(result, params[0])
                 return None
             return NotImplemented
         if transposed:
             bias_arg, a, wt = (args[0], args[1], args[2]) if func is _aten.addmm.default else (None, args[0], args[1])
-            weight = trace.transposed.get(id(wt))
+            weight = trace.transposed_of(wt)
             bias = trace.param_of(bias_arg)
             if weight is None or trace.r_of(a) is None or (bias_arg is not None and bias is None and trace.r_of(bias_arg) is not None):
                 trace.fail(f"{func} uses a transposed parameter in an unexpected place")

@@ -50,7 +50,7 @@ class _ParameterRule(_LayerRule):
         if func is _aten.expand.default:  # expanded along the batch: follow it to its concatenation
             if r is not None or result.shape[0] != trace.batch or tuple(result.shape[1:]) != tuple(p.shape[1:]):
                 trace.fail(f"{func} expands parameter {mine[0]} other than along the batch")
-            trace.shared[id(result)] = dict(weight=trace.use(mine[0], func, self), added=False, expanded=True)
+            trace.share(result, dict(weight=trace.use(mine[0], func, self), added=False, expanded=True))
             return None
         x = args[1] if p is args[0] else args[0]
         if trace.r_of(x) != 1 or tuple(x.shape) != tuple(result.shape) or tuple(p.shape[1:]) != tuple(result.shape[1:]):
@@ -71,12 +71,12 @@ class _ParameterRule(_LayerRule):
     def _record_cat(self, trace, func, args, kwargs, result, r):
         values = trace.values_of(func, args, kwargs)
         tensors, dim = list(values["tensors"]), values["dim"] % result.dim()
-        shared = [k for k, t in enumerate(tensors) if id(t) in trace.shared and trace.shared[id(t)].get("expanded")]
+        shared = [k for k, t in enumerate(tensors) if (trace.shared_of(t) or {}).get("expanded")]
         if not shared:
             return NotImplemented
         if len(shared) != 1 or dim == 0 or r != 1 or any(trace.r_of(t) != 1 for k, t in enumerate(tensors) if k != shared[0]):
             trace.fail(f"{func} joins an expanded parameter with example data unusually")
-        info = trace.shared[id(tensors[shared[0]])]
+        info = trace.shared_of(tensors[shared[0]])
         if info["added"]:
             trace.fail(f"{func}: the expanded parameter {info['weight']} is used twice")
         info["added"] = True

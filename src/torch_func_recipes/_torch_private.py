@@ -111,7 +111,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "the names of every layer's and direction's weights in the fused kernel's order (projections and "
                "bias=False included), read by name so that functional_call's tensors are the ones used",
                None, lambda: nn.LSTM(1, 2, num_layers=2, bidirectional=True, proj_size=1)),
-    PrivateAPI("OpOverload._schema", "object attribute", ("_trace._BatchTrace.values_of", "_trace._writes"),
+    PrivateAPI("OpOverload._schema", "object attribute", ("_trace._BatchTrace.plan_of", "_trace._BatchTrace.values_of", "_trace._writes"),
                "the operator's schema names its arguments with their defaults and says which ones it writes into; "
                "the public OpOverload attributes (name(), tags) do not",
                None, lambda: torch.ops.aten.add_.Tensor),
@@ -128,6 +128,16 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "after the trace saved it (one more per in-place operation, which an addition into a layer's fresh "
                "output is allowed)",
                None, lambda: torch.zeros(1)),
+    PrivateAPI("Tensor._cdata", "object attribute", tuple(f"_trace._BatchTrace.{m}" for m in (
+                   "__init__", "__torch_dispatch__", "admit", "follow_fresh", "mark_transposed", "param_of", "r_of", "rule",
+                   "share", "shared_of", "transposed_of")),
+               "the address of the C++ tensor, the one identity a tensor keeps while PyTorch frees and remakes its "
+               "Python object (a view's base, a saved tensor); id() names the Python object only",
+               None, lambda: torch.zeros(1)),
+    PrivateAPI("torch._C._WeakTensorRef", "import", ("_trace._BatchTrace.__torch_dispatch__", "_trace._BatchTrace.admit"),
+               "a weak reference to the C++ tensor keeps its address (the trace's key) from reuse without keeping its "
+               "memory; weakref.ref follows the Python object, which PyTorch may free while the C++ tensor lives",
+               None, None),
     PrivateAPI("torch.ops.aten._unsafe_view.default", "aten operator", _TRACE,
                "reshape (where it must copy) and matmul's reshapes dispatch to it; " + _DISPATCH_ALIAS, None, None),
     PrivateAPI("torch.ops.aten._reshape_alias.default", "aten operator", _TRACE,

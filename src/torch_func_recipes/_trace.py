@@ -8,13 +8,14 @@ path a recipe call took. Also copied, without this docstring, into the notebook 
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+from torch._C import _WeakTensorRef  # type: ignore[attr-defined]
 from torch.func import vmap
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -82,28 +83,31 @@ def _writes(func) -> tuple:
     return tuple(i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
+def _memory_of(t) -> int:
+    """Where a tensor's storage starts in memory (0 for none: an empty tensor, or a sparse one)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 def _pointwise(func) -> bool:
     return torch.Tag.pointwise in func.tags
 
 
 class _OpPlan(NamedTuple):
     """What _BatchTrace does with one operator: the positions of the arguments it writes into, the layer rules whose
-    operations include it, and its general case in _BatchTrace.rule (_BatchTrace.category_of)."""
+    operations include it, its general case in _BatchTrace.rule (_BatchTrace.category_of), and whether its results
+    have memory of their own (no view or in-place result: a storage the trace has not met)."""
     func: object
     writes: tuple
     rules: tuple
     category: str | None
+    allocates: bool
 
 
 class _NotPerExample(Exception):
     """Raised inside the trace at the first operation the fast path cannot vouch for."""
-
-
-def _forget(tracer_ref, i, _):
-    """The callback of _BatchTrace.watch's weak references (holding the trace weakly: it may be gone)."""
-    tracer = tracer_ref()
-    if tracer is not None:
-        tracer.forget(i)
 
 
 class _BatchTrace(TorchDispatchMode):
@@ -116,7 +120,20 @@ class _BatchTrace(TorchDispatchMode):
     _layers, one module per layer kind), which records the operation's input and output for the
     per-example products. need: what the caller asks of the rules ("grads", "jacobian" or "norms");
     only rules that provide it are used. owners: {parameter name: the rule of its owning module}, from
-    _owner_rules; None skips that check (for tests that drive the trace by hand)."""
+    _owner_rules; None skips that check (for tests that drive the trace by hand).
+
+    Which tensor is which. The maps are keyed by the C++ tensor (`t._cdata`, the address of its TensorImpl),
+    not by the Python object: PyTorch may free a tensor's Python object while the C++ tensor lives on (a view
+    keeps its base, autograd its saved tensors) and hand it back later as a new object, at a new id. Every
+    tensor the trace meets gets a weak reference to its C++ tensor (torch._C._WeakTensorRef), which keeps
+    that address from being reused for the trace's lifetime without keeping the data (a tensor's memory is
+    freed when its last strong reference goes). A tensor no operation of the trace made (a buffer, a
+    constant from outside the forward pass) is admitted as a constant unless its storage starts where a
+    live storage of example data starts: a tensor made without an operation the trace sees can share
+    example data's memory (an output autograd saved and handed back; `torch.from_numpy(h.detach().numpy())`),
+    and is refused. Not followed: a copy of that kind that starts inside example data's memory (from a slice),
+    and Python values read out of a tensor (`.tolist()`), which bypass every dispatch mode; vmap refuses the
+    latter too."""
 
     aten = torch.ops.aten
     ROW_PRESERVING = {  # reshapes and copies: the logical order of elements is kept
@@ -158,7 +175,7 @@ class _BatchTrace(TorchDispatchMode):
         plan = self.plans.get(id(func))
         if plan is None or plan.func is not func:
             plan = self.plans[id(func)] = _OpPlan(func, _writes(func), tuple(r for r in self.rules if func in r.ops),
-                                                  self.category_of(func))
+                                                  self.category_of(func), all(a.alias_info is None for a in func._schema.returns))
         return plan
 
     @classmethod
@@ -193,48 +210,64 @@ class _BatchTrace(TorchDispatchMode):
         super().__init__()
         self.rules, self.owners = _rules_for(need), owners
         self.plans = self._PLANS.setdefault(self.rules, {})
-        self.batch, self.rows, self.keep = batch, {id(x): 1 for x in inputs}, list(inputs)  # inputs: the tensors with examples
-        self.refs = {}        # id(an operation's result) -> a weak reference whose callback forgets that id (watch)
-        self.retired = []     # what shared held for tensors freed since (its last check still counts them)
-        self.trainable = {id(p): name for name, p in trainable.items()}
-        self.transposed = {}  # id(weight.t()) -> name of the weight
-        self.shared = {}      # id(a tensor every example shares, made from a parameter) -> what a layer rule needs of it
+        # inputs: the tensors with examples; they and the parameters stay alive through the call (keep)
+        self.batch, self.rows, self.keep = batch, {x._cdata: 1 for x in inputs}, [*inputs, *trainable.values()]
+        self.trainable = {p._cdata: name for name, p in trainable.items()}
+        # key of every tensor met -> a weak reference that keeps the key its own (class docstring); keeping the tensors
+        # would hold every intermediate of the forward pass (on a small Llama, half a batch gradient's memory more)
+        self.refs = dict.fromkeys([*self.rows, *self.trainable])
+        self.memory = {}  # where a storage that holds example data starts -> a weak reference to it (hold_memory)
+        for x in inputs:
+            self.hold_memory(x)
+        self.transposed = {}  # key(weight.t()) -> name of the weight
+        self.shared = {}      # key(a tensor every example shares, made from a parameter) -> what a layer rule needs of it
         self.layers = []      # dicts: kind, weight, bias (names or None), a, z, r, conv arguments
         self.used = set()
         self.failure = None
         self.unknown = set()
-        self.fresh = {}       # id(a layer's output no operation has read yet) -> that layer
+        self.fresh = {}       # key(a layer's output no operation has read yet) -> that layer
 
-    def watch(self, result):
-        """The maps of the trace are keyed by id(tensor), and Python reuses the id of a freed tensor. Keeping every
-        result alive would hold every intermediate of the forward pass (on a small Llama, more than half a batch
-        gradient's memory on top of what autograd saves); instead a weak reference to each result forgets its id
-        in every map the moment the tensor is freed, so a new tensor that gets the id starts unknown."""
-        for t in _tensors_in((result,)):
-            i = id(t)
-            if i not in self.refs:  # an id in refs is its live tensor's (an in-place result is its input)
-                self.refs[i] = weakref.ref(t, functools.partial(_forget, weakref.ref(self), i))
+    def hold_memory(self, t):
+        """t holds example data: remember where its storage starts, with a weak reference to the storage that says
+        whether that memory still is the storage's (once the storage is freed, the address may be reused)."""
+        start = _memory_of(t)
+        if start:
+            ref = self.memory.get(start)
+            if ref is None or ref.expired():
+                self.memory[start] = StorageWeakRef(t.untyped_storage())
 
-    def forget(self, i):
-        """A result was freed: its id means nothing any more."""
-        self.refs.pop(i, None)
-        self.rows.pop(i, None)
-        self.unknown.discard(i)
-        self.transposed.pop(i, None)
-        self.fresh.pop(i, None)
-        info = self.shared.pop(i, None)
-        if info is not None:
-            self.retired.append(info)
+    def admit(self, func, t):
+        """A tensor no operation of the trace made, met as an argument of func: a constant from outside the forward
+        pass, unless its memory is example data's (class docstring)."""
+        ref = self.memory.get(_memory_of(t))
+        if ref is not None and not ref.expired():
+            self.fail(f"{func} uses a tensor that shares memory with example data but was made by no operation the trace "
+                      "saw (through .numpy() and torch.from_numpy, say, or a tensor autograd saved)")
+        self.refs[t._cdata] = _WeakTensorRef(t)
+
+    def share(self, t, info):
+        """Record what a layer rule needs of t, a tensor every example shares, made from a parameter."""
+        self.shared[t._cdata] = info
+
+    def shared_of(self, t):
+        return self.shared.get(t._cdata) if isinstance(t, torch.Tensor) and self.shared else None
+
+    def mark_transposed(self, t, name):
+        """t is parameter `name` transposed (weight.t() on its way to a linear layer)."""
+        self.transposed[t._cdata] = name
+
+    def transposed_of(self, t):
+        return self.transposed.get(t._cdata) if isinstance(t, torch.Tensor) else None
 
     def fail(self, why):
         self.failure = why
         raise _NotPerExample(why)
 
     def r_of(self, t):
-        return self.rows.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return self.rows.get(t._cdata) if isinstance(t, torch.Tensor) else None
 
     def param_of(self, t):
-        return self.trainable.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return self.trainable.get(t._cdata) if isinstance(t, torch.Tensor) else None
 
     def use(self, name, func, rule):
         """Mark parameter `name` as used by `func`, recognised by `rule`: once only, and by its owner's rule."""
@@ -251,11 +284,18 @@ class _BatchTrace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        self.watch(result)
-        plan = self.plan_of(func)
         flat_args = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
-        ids = [id(a) for a in flat_args]
+        ids = [a._cdata for a in flat_args]  # the tensors' keys (class docstring)
+        refs = self.refs
+        for i, a in zip(ids, flat_args):
+            if i not in refs:
+                self.admit(func, a)
+        result = func(*args, **kwargs)
+        outs = _tensors_in((result,))
+        for t in outs:  # reserve the results' keys (class docstring); an in-place result is its input, met before
+            if t._cdata not in refs:
+                refs[t._cdata] = _WeakTensorRef(t)
+        plan = self.plan_of(func)
         if self.unknown and any(i in self.unknown for i in ids):
             self.fail(f"{func} uses a side result whose rows are not the examples")
         if self.fresh:
@@ -278,12 +318,14 @@ class _BatchTrace(TorchDispatchMode):
             self.fail(f"{func} combines tensors with different numbers of rows per example")
         r = rs.pop() if rs else None
         out_r = self.rule(func, args, kwargs, result, r, params, transposed, plan)
-        for t in _tensors_in((result,)):
+        for t in outs:
+            if r is not None and plan.allocates:  # new memory made from example data (a view's is its base's)
+                self.hold_memory(t)
             if out_r is not None:
                 if t.dim() == 0 or t.shape[0] != self.batch * out_r:
-                    self.unknown.add(id(t))  # a side result (e.g. saved statistics): must not be used
+                    self.unknown.add(t._cdata)  # a side result (e.g. saved statistics): must not be used
                 else:
-                    self.rows[id(t)] = out_r
+                    self.rows[t._cdata] = out_r
         return result
 
     # In-place additions whose gradient with respect to the tensor they change is the identity: a residual added
@@ -296,8 +338,8 @@ class _BatchTrace(TorchDispatchMode):
         (its recorded version moves on). Any other use of a fresh output ends its freshness, and a later change
         in place is then refused (_run_trace compares versions)."""
         target = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if func in self.SHIFTS and target is not None and id(target) in self.fresh and ids.count(id(target)) == 1:
-            layer = self.fresh[id(target)]
+        if func in self.SHIFTS and target is not None and target._cdata in self.fresh and ids.count(target._cdata) == 1:
+            layer = self.fresh[target._cdata]
             if layer["a"] is not target:  # autograd counts the change once this call returns: one more version
                 layer["versions"] = (layer["versions"][0], target._version + 1)
                 return
@@ -312,17 +354,17 @@ class _BatchTrace(TorchDispatchMode):
             out_r = layer_rule.record(self, func, args, kwargs, result, r, params, transposed)
             if out_r is not NotImplemented:
                 for layer in self.layers[count:]:
-                    self.fresh[id(layer["z"])] = layer
+                    self.fresh[layer["z"]._cdata] = layer
                 return out_r
         if params or transposed:
             self.fail(f"{func} uses parameter {(params + transposed)[0]} in a way the fast path does not know")
         tensors = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
-        if self.shared and any(id(a) in self.shared for a in tensors):  # a tensor every example shares, made from a parameter
+        if self.shared and any(a._cdata in self.shared for a in tensors):  # a tensor every example shares, made from a parameter
             if func is self.aten.detach.default:
                 return None  # a constant from here on: no gradient flows back through it
             if func in self.ROW_PRESERVING and len(tensors) == 1:  # reshaped or copied: follow it further
                 for t in _tensors_in((result,)):
-                    self.shared[id(t)] = self.shared[id(tensors[0])]
+                    self.shared[t._cdata] = self.shared[tensors[0]._cdata]
                 return None
             self.fail(f"{func} uses a tensor made from a parameter for every example in a way the fast path does not know")
         if r is None:  # derived from constants only
@@ -332,7 +374,7 @@ class _BatchTrace(TorchDispatchMode):
         if category == "constant":
             for t in out:
                 if isinstance(t, torch.Tensor):
-                    self.rows.pop(id(t), None)
+                    self.rows.pop(t._cdata, None)
             return None
         if category == "per_row":
             if any(self.r_of(a) is not None and a.dim() != out[0].dim() for a in tensors):
@@ -491,7 +533,7 @@ def _run_trace(model, batch, trainable, need, owners):
     if not leaves or any(tracer.r_of(t) != 1 for t in leaves):  # a tensor, or a pytree of them (a ModelOutput)
         return None, None, "the model's output is not made of tensors with the examples along dimension 0"
     unused = [name for name in trainable if name not in tracer.used]
-    unused += [info["weight"] for info in [*tracer.shared.values(), *tracer.retired] if not info["added"]]
+    unused += [info["weight"] for info in tracer.shared.values() if not info["added"]]
     if unused:
         kinds = " or ".join(rule.kind for rule in tracer.rules)
         return None, None, f"parameter {unused[0]} is not used by an operation its layer's rule ({kinds}) recognises"
