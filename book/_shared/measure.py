@@ -16,9 +16,11 @@ def seconds(fn, *, min_run_time=0.2):
     """Median seconds per call of fn(), from torch.utils.benchmark.Timer.
 
     Timer warms up, synchronises a GPU around each measurement, and repeats until min_run_time
-    seconds have passed; the median is robust to a stray slow run.
+    seconds have passed; the median is robust to a stray slow run. It runs fn on as many threads
+    as torch uses here (the number hardware() prints); Timer's own default is one.
     """
-    return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
 class TensorMemory(TorchDispatchMode):
