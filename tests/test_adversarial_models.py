@@ -68,13 +68,14 @@ CASES = {
     "softmax over the batch by dim=-2": (nn.Sequential(*mlp(), nn.LogSoftmax(dim=-2)), "refused"),
     "h - h.mean(0)": (mixing(lambda h: h - h.mean(0)), "refused"),
     "batch statistics by hand": (mixing(lambda h: (h - h.mean(0)) * torch.rsqrt(h.pow(2).mean(0) + 1.0)), "refused"),
-    "one layer used twice": (net(lambda m, x: m.b(torch.tanh(m.a(torch.tanh(m.a(x))))), width=6), "vmap"),
-    "tied weights": (tied(), "vmap"),
+    # a parameter used twice: its uses' shares add up for gradients and Jacobians, and the norms add the cross terms
+    "one layer used twice": (net(lambda m, x: m.b(torch.tanh(m.a(torch.tanh(m.a(x))))), width=6), "fast"),
+    "tied weights": (tied(), "fast"),
     # a bare parameter that scales each feature is a layer scale (the parameter rule); one used as a matrix is not
     "a layer scale": (net(lambda m, x: m.b(torch.tanh(m.a(x)) * m.scale), scale=nn.Parameter(torch.linspace(0.5, 1.5, 8))), "fast"),
     "a bare nn.Parameter in forward": (net(lambda m, x: m.b(torch.tanh(m.a(x)) @ m.mix),
                                            mix=nn.Parameter(torch.linspace(0.5, 1.5, 64).view(8, 8))), "vmap"),
-    "a weight used outside its layer": (net(lambda m, x: m.b(torch.tanh(m.a(x))) + 0.1 * (x @ m.a.weight.T)[:, :3]), "vmap"),
+    "a weight used outside its layer": (net(lambda m, x: m.b(torch.tanh(m.a(x))) + 0.1 * (x @ m.a.weight.T)[:, :3]), "fast"),
     "forward hook that changes an output": (
         mlp(lambda m: m[0].register_forward_hook(lambda module, args, output: 2.0 * output + 1.0)), "fast"),
     "forward hook that changes an output in place": (
@@ -120,6 +121,9 @@ def test_recipes_equal_the_loop(recipes, name):
     jacobian, report = recipes["output_jacobian"](model, x, report=True)
     assert report.path == expected_path, report.reason
     assert close(jacobian, loop_output_jacobian(model, x))
+    norms, report = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, report=True)
+    assert report.path == expected_path, report.reason
+    assert close(norms, torch.stack([torch.cat([g[n].flatten() for g in expected.values()]).norm() for n in range(len(x))]))
 
 
 def test_the_adversarial_models_differ_from_the_fast_paths_arithmetic(recipes):
@@ -217,8 +221,8 @@ def test_a_model_that_fails_both_raises_the_loops_error_chained_to_vmaps(recipes
 
 
 def test_errors_name_the_problem(recipes):
-    model, x, _ = case("tied weights")
-    with pytest.raises(ValueError, match="the fast path does not apply"):
+    model, x, _ = case("in-place ReLU")
+    with pytest.raises(ValueError, match="the fast path does not apply: an in-place operation changed"):
         recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, path="fast")
     with pytest.raises(ValueError, match="scalar"):
         recipes["per_sample_grads"](model, lambda p, t: F.cross_entropy(p, t, reduction="none").expand(2), x, TARGETS)

@@ -47,15 +47,20 @@ def check_clipped_sum(clipped_sum, reference):
         torch.testing.assert_close(clipped[name], torch.einsum("b,b...->...", factors, reference[name]), rtol=1e-10, atol=1e-12)
 
 
+# A parameter used twice: gradients and (B, Y, P) add its uses' shares on the fast path; the norms take vmap
+USED_TWICE = ("fast", "vmap", "fast")
+
+
 def check_paths_and_the_loop(model, inputs, path):
-    """per_sample_grads, per_sample_grad_norms and output_jacobian take `path` and equal the loop in float64:
+    """per_sample_grads, per_sample_grad_norms and output_jacobian take `path` (one for all three, or a tuple of
+    the three in that order) and equal the loop in float64:
     gradients and norms against loop_grads, (B, Y, P) against one autograd call per output of each example;
     clipped_grad_sum against the loop's gradients clipped and summed.
     Returns the loop's gradients and per_sample_grads' report."""
     grads, how = tfr.per_sample_grads(model, F.cross_entropy, inputs, TARGETS, report=True)
     norms, how_norms = tfr.per_sample_grad_norms(model, F.cross_entropy, inputs, TARGETS, report=True)
     J, how_jacobian = tfr.output_jacobian(model, inputs, report=True)
-    assert (how.path, how_norms.path, how_jacobian.path) == (path,) * 3, (how, how_norms, how_jacobian)
+    assert (how.path, how_norms.path, how_jacobian.path) == (path if isinstance(path, tuple) else (path,) * 3), (how, how_norms, how_jacobian)
     reference = loop_grads(model, F.cross_entropy, inputs, TARGETS)
     for name in reference:
         torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
@@ -223,12 +228,13 @@ def gpt2(tie):
 @pytest.mark.parametrize("tie", [False, True])
 def test_gpt2_conv1d_and_positions(tie):
     """GPT-2 untied: its Conv1D projections, shared position lookup, SDPA and cache on the fast path. Tied (the
-    default), the token table is also the output layer's weight: refused, and still equal to the loop."""
+    default), the token table is also the output layer's weight: the fast path adds both uses' shares, and for the
+    norms their cross term; equal to the loop either way."""
     model = gpt2(tie)
     loss_fn = lambda out, t: F.cross_entropy(out.logits[:, -1, :C], t)  # noqa: E731
     grads, how = tfr.per_sample_grads(model, loss_fn, targets=TARGETS, report=True, input_ids=IDS)
     norms, how_norms = tfr.per_sample_grad_norms(model, loss_fn, targets=TARGETS, report=True, input_ids=IDS)
-    assert (how.path, how_norms.path) == (("vmap", "vmap") if tie else ("fast", "fast")), (how, how_norms)
+    assert (how.path, how_norms.path) == ("fast", "fast"), (how, how_norms)
     reference = tfr.per_sample_grads(model, loss_fn, targets=TARGETS, path="loop", input_ids=IDS)
     for name in reference:
         torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
@@ -237,17 +243,24 @@ def test_gpt2_conv1d_and_positions(tie):
                       reference)
 
 
-def test_a_conv1d_called_twice_is_refused():
+def test_a_conv1d_called_twice_adds_up_its_shares_and_their_cross_terms():
     model = gpt2(False)
     block = model.transformer.h[0].mlp
     forward = block.forward
     block.forward = lambda h: forward(forward(h))  # the same projections twice
+    loss_fn = lambda out, t: F.cross_entropy(out.logits[:, -1, :C], t)  # noqa: E731
     try:
-        _, how = tfr.per_sample_grads(model, lambda out, t: F.cross_entropy(out.logits[:, -1, :C], t),
-                                      targets=TARGETS, report=True, input_ids=IDS)
+        grads, how = tfr.per_sample_grads(model, loss_fn, targets=TARGETS, report=True, input_ids=IDS)
+        norms, how_norms = tfr.per_sample_grad_norms(model, loss_fn, targets=TARGETS, report=True, input_ids=IDS)
+        reference = tfr.per_sample_grads(model, loss_fn, targets=TARGETS, path="loop", input_ids=IDS)
+        check_clipped_sum(lambda max_norm: tfr.clipped_grad_sum(model, loss_fn, targets=TARGETS, max_norm=max_norm, input_ids=IDS),
+                          reference)
     finally:
         del block.forward
-    assert how.path == "vmap" and "used twice" in how.reason, how
+    assert how.path == "fast" and how_norms.path == "fast", (how, how_norms)
+    for name in reference:
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(norms, norms_of(reference), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("case", ["shared positions, SDPA, padding mask", "positions looked up per row, written-out attention with a mask",
@@ -340,7 +353,7 @@ class RMSNormed(nn.Module):
 
 RMS_CASES = {
     "nn.RMSNorm": (dict(), "fast"),
-    "an RMSNorm used twice": (dict(misuse="used twice"), "vmap"),
+    "an RMSNorm used twice": (dict(misuse="used twice"), USED_TWICE),
     "its weight used outside the layer": (dict(misuse="used outside its layer"), "vmap"),
     "a class named RMSNorm that scales by 1 + w": (dict(norm=GemmaStyleRMSNorm(D)), "vmap"),
 }
@@ -349,7 +362,8 @@ RMS_CASES = {
 @pytest.mark.parametrize("case", RMS_CASES)
 def test_rms_norm(case):
     """nn.RMSNorm's weight on the fast path (gradients, norms and (B, Y, P) equal the loop in float64); a weight
-    used twice or outside its layer, or a look-alike class, is refused by the trace and still equals the loop."""
+    used outside its layer, or a look-alike class, is refused by the trace and still equals the loop; used twice,
+    its gradients add the two uses' shares and its norms are refused."""
     options, path = RMS_CASES[case]
     torch.manual_seed(5)
     model = RMSNormed(**options).double().eval()
@@ -510,17 +524,44 @@ class LayerScaled(nn.Module):
         return self.head(h.mean(1))
 
 
-SCALE_CASES = {"a layer scale": (None, "fast"), "scale used twice": ("scale used twice", "vmap"),
+SCALE_CASES = {"a layer scale": (None, "fast"), "scale used twice": ("scale used twice", USED_TWICE),
                "one plus the scale": ("one plus the scale", "vmap"), "scale along the tokens": ("scale along the tokens", "vmap")}
 
 
 @pytest.mark.parametrize("case", SCALE_CASES)
 def test_a_layer_scale(case):
     """A layer scale on the fast path, equal to the loop in float64 for gradients, norms, (B, Y, P) and the
-    book-kept clipped sum; used twice, shifted by one or scaling another dimension, it is refused by the trace
-    and still equals the loop."""
+    book-kept clipped sum; shifted by one or scaling another dimension it is refused by the trace, used twice its
+    norms are, and every path equals the loop."""
     misuse, path = SCALE_CASES[case]
     torch.manual_seed(11)
     model = LayerScaled(misuse).double()
     x = torch.randn(B, T, 4, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
     check_paths_and_the_loop(model, x, path)
+
+
+class TiedTable(nn.Module):
+    """A token table (padding row 0) that is also the output layer's weight, as in GPT-2; `twice` looks the table
+    up a second time (ids modulo 5), so the weight has three uses."""
+
+    def __init__(self, twice=False):
+        super().__init__()
+        self.embed, self.mix = nn.Embedding(V, D, padding_idx=0), nn.Linear(D, D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.embed.weight
+        self.twice = twice
+
+    def forward(self, ids):
+        h = self.embed(ids) + (self.embed(ids % 5) if self.twice else 0.0)
+        return self.head(torch.tanh(self.mix(h))).mean(1)[:, :C]
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["tied", "tied and looked up twice"])
+def test_a_tied_table_adds_its_uses_and_their_cross_terms(twice):
+    """Gradients, (B, Y, P) and the book-kept clipped sum add each use's share; the norms add the cross terms
+    between the uses (table against head: a token's row of the head's output gradient times the lookup's
+    gradient against the head's input; two lookups: matching ids), padding row excluded. All on the fast path
+    and equal to the loop in float64."""
+    torch.manual_seed(13)
+    model = TiedTable(twice).double()
+    check_paths_and_the_loop(model, IDS, "fast")

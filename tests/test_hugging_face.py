@@ -72,7 +72,9 @@ BUILDERS = {"GPT-2": gpt2, "BERT, 2-D padding mask": bert, "Llama, 2-D padding m
 # is allowed; tests/test_fast_paths.py has GPT-2 untied and a Llama without a mask).
 # A 2-D padding mask (BERT's, Llama's) meets a data-dependent check inside transformers (a .all() on the mask),
 # which vmap cannot run: the recipes fall back to the loop, and stay right.
-PATHS = {"GPT-2": "vmap", "BERT, 2-D padding mask": "loop", "Llama, 2-D padding mask": "loop", "ResNet, BatchNorm in eval mode": "fast", "ViT": "fast",
+# GPT-2 ties its embedding and output weights: the fast path adds the two uses' shares (and, for the norms,
+# their cross term)
+PATHS = {"GPT-2": "fast", "BERT, 2-D padding mask": "loop", "Llama, 2-D padding mask": "loop", "ResNet, BatchNorm in eval mode": "fast", "ViT": "fast",
          "ConvNeXt": "fast"}
 
 

@@ -101,6 +101,14 @@ class _EmbeddingRule(_LayerRule):
             ids, g = ids[real], g[real]
         return {layer["weight"]: g.new_zeros(layer["table_shape"]).index_add_(0, ids, g)}
 
+    def outer_factors(self, layer, g, batch):
+        ids, e = self._ids(layer, batch), None  # a one-hot row per position, times that position's gradient
+        if g is not None:
+            e = g.reshape(batch, ids.shape[1], -1)
+            if layer["padding_idx"] >= 0:  # PyTorch gives the padding row no gradient
+                e = e * (ids != layer["padding_idx"])[:, :, None].to(e.dtype)
+        return {"u": ("ids", ids), "v": ("dense", e), "bias": None}
+
     def squared_norms(self, layer, g, batch):
         ids = self._ids(layer, batch)
         g = g.reshape(batch, ids.shape[1], -1)

@@ -58,6 +58,11 @@ class _HFConv1DRule(_LinearRule):
         found[layer["weight"]] = found[layer["weight"]].t()  # stored (in, out): the linear layer's transpose
         return found
 
+    def outer_factors(self, layer, g, batch):
+        found = super().outer_factors(layer, g, batch)  # stored (in, out): the linear layer's factors swapped
+        found["u"], found["v"] = found["v"], found["u"]
+        return found
+
     def jacobian_rows(self, layer, delta, columns):
         a, r, weight, bias = layer["a"].detach(), layer["r"], layer["weight"], layer["bias"]
         n_out, batch = delta.shape[0], a.shape[0] // r

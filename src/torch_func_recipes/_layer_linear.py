@@ -84,6 +84,11 @@ class _LinearRule(_LayerRule):
             found[layer["bias"]] = g2.sum(0)
         return found
 
+    def outer_factors(self, layer, g, batch):
+        a = layer["a"].detach()
+        a, g = a.reshape(batch, -1, a.shape[-1]), None if g is None else g.reshape(batch, -1, g.shape[-1])
+        return {"u": ("dense", g), "v": ("dense", a), "bias": None if g is None or layer["bias"] is None else g.sum(1)}
+
     def squared_norms(self, layer, g, batch):
         a, found = layer["a"].detach(), []
         a, g = a.reshape(batch, -1, a.shape[-1]), g.reshape(batch, -1, g.shape[-1])  # (B, T, d_in), (B, T, d_out)

@@ -37,7 +37,7 @@ class _ParameterRule(_LayerRule):
     def record(self, trace, func, args, kwargs, result, r, params, transposed):
         if func is _aten.cat.default:
             return self._record_cat(trace, func, args, kwargs, result, r)
-        mine = [p for p in params if trace.owners is None or trace.owners.get(p) is self]
+        mine = [p for p in params if trace.owners is None or self in (trace.owners.get(p) or ())]
         if not mine:
             return NotImplemented
         if len(params) != 1 or transposed or kwargs.get("alpha", 1) != 1 or any(not isinstance(v, torch.Tensor) and v != 1 for v in args[2:]):

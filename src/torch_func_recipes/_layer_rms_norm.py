@@ -29,7 +29,7 @@ class _RMSNormRule(_LayerRule):
         return isinstance(module, nn.RMSNorm) or (cls.__name__.endswith("RMSNorm") and cls.__module__.startswith("transformers."))
 
     def record(self, trace, func, args, kwargs, result, r, params, transposed):
-        if not params or transposed or trace.owners is not None and any(trace.owners.get(p) is not self for p in params):
+        if not params or transposed or trace.owners is not None and any(self not in (trace.owners.get(p) or ()) for p in params):
             return NotImplemented  # no parameter of an RMSNorm: the trace's general rules
         a, b = args[0], args[1]
         w, h = (a, b) if trace.param_of(a) is not None else (b, a)

@@ -7,8 +7,13 @@ gradient, what the recipes need: each example's gradient (`per_example_grads`), 
 example's rows of the output Jacobian (`jacobian_rows`) and each example's squared gradient
 norm (`squared_norms`). A rule that lacks one of them is not used by that recipe.
 
-The trace confirms every rule at run time: a parameter may be used by one operation only, the one its
-owning module's rule recognises (keyed by the module's type), or the fast path steps aside. Adding a
+The trace confirms every rule at run time: every operation that uses a parameter must be one that the rule
+of a module registering it recognises (keyed by the module's type), or the fast path steps aside. A
+parameter used by several such operations (a layer applied twice, a weight tied between an embedding and
+an output layer) gets their shares added up for gradients, Jacobians and the clipped sum (_write_or_add); the
+norms add the cross terms between the uses (_CrossTerms) where every rule involved gives its per-example
+gradient as a sum of outer products (outer_factors: linear layers, GPT-2's Conv1D, embeddings), and refuse a
+second use otherwise. Adding a
 layer kind means adding a module _layer_<kind>.py that defines a _LayerRule subclass, registers one
 instance with _register, and is imported at the end of this file. Also copied, without this docstring, into the
 notebook cells tagged `shared-package` by scripts/build_shared.py: edit it here.
@@ -71,6 +76,19 @@ class _LayerRule:
         (has_weighted_sum); a rule that overrides it must always answer."""
         return None
 
+    def outer_factors(self, layer: dict, g: torch.Tensor | None, batch: int) -> dict | None:
+        """Each example's weight gradient as a sum of outer products, sum_t u_t v_t^T (u along the weight's
+        dimension 0, v along dimension 1), for the norms' cross terms between two uses of one parameter (a tied
+        weight, a layer called twice): {"u": factor, "v": factor, "bias": (B, out) per-example bias gradients or
+        None}, a factor being ("dense", (B, T, size)) or ("ids", (B, T) indices of one-hot rows). With g None,
+        the factors that depend on it are None (the others are known before the backward pass). The default,
+        None: no cross terms for this kind, and the trace refuses a second use of its parameters for the norms."""
+        return None
+
+    def has_outer_factors(self) -> bool:
+        """Whether outer_factors is defined (a second use of the rule's parameters is then allowed for the norms)."""
+        return type(self).outer_factors is not _LayerRule.outer_factors
+
     def has_weighted_sum(self) -> bool:
         """Whether weighted_sum has the rule's own formula (else the clipped sum asks autograd, through the graph)."""
         return type(self).weighted_sum is not _LayerRule.weighted_sum
@@ -100,6 +118,89 @@ def _rules_for(need: str) -> tuple[_LayerRule, ...]:
     if need not in _NEEDS:
         raise ValueError(f"need must be one of {sorted(_NEEDS)}, got {need!r}")
     return tuple(rule for rule in _RULES.values() if rule.supports(need))
+
+
+def _write_or_add(write: Any, layer: dict, delta: torch.Tensor, dest: dict[str, torch.Tensor], done: set | None) -> None:
+    """write(layer, delta, dest) (a rule's per_example_grads or jacobian_rows) puts the layer's shares into
+    dest[name] for its weight and bias. done: the names earlier layers of the same pass wrote (None: no
+    record); a parameter used again (twice, or tied between two modules) gets this layer's share added to what
+    is there, through a buffer of its size, since gradients and Jacobians add over a parameter's uses."""
+    names = [n for n in (layer.get("weight"), layer.get("bias")) if n is not None]
+    again = [n for n in names if done is not None and n in done]
+    if not again:
+        write(layer, delta, dest)
+    else:
+        shares = {n: torch.empty_like(dest[n]) for n in again}
+        write(layer, delta, {**dest, **shares})
+        for n in again:
+            dest[n].add_(shares[n])
+    if done is not None:
+        done.update(names)
+
+
+def _gram(x: tuple, y: tuple) -> torch.Tensor:
+    """(B, T1, T2): the inner products of every row of factor x with every row of factor y, per example (factors as in
+    _LayerRule.outer_factors; a one-hot row picks an entry of the other's row, two one-hot rows match or not)."""
+    (x_form, x_value), (y_form, y_value) = x, y
+    if x_form == "dense" and y_form == "dense":
+        return x_value @ y_value.transpose(1, 2)
+    if x_form == "ids" and y_form == "ids":
+        return x_value[:, :, None] == y_value[:, None, :]
+    if x_form == "ids":  # entry x[b, s] of each row t of y
+        return y_value.gather(2, x_value[:, None, :].expand(-1, y_value.shape[1], -1)).transpose(1, 2)
+    return _gram(y, x).transpose(1, 2)
+
+
+class _CrossTerms:
+    """The norms' cross terms between the uses of a parameter used by several traced layers: for weight W with
+    per-example shares G_k and G_l from layers k and l, ||G_k + G_l||^2 = ||G_k||^2 + ||G_l||^2 + 2 <G_k, G_l>,
+    the rules giving the squares and this class the inner products, ghost-style: with G = sum_t u_t v_t^T,
+    <G_k, G_l> = sum over pairs of rows of (u_k . u_l)(v_k . v_l). Each layer's output gradient reaches
+    `take` once (in any order). At the first of a pair, what can be computed is: the Gram of its factor with
+    the other layer's factor that needs no output gradient (its one-hot ids, or its recorded input); that
+    Gram and the first layer's other factor are kept, and the pair finishes when the second layer's output
+    gradient arrives. Shared biases: the inner product of the two per-example bias gradients."""
+
+    def __init__(self, layers: list[dict], batch: int):
+        self.layers, self.batch = layers, batch
+        self.kept: dict[tuple, Any] = {}  # pair -> what its first layer left for the second (_start)
+        uses: dict[str, list[int]] = {}
+        for k, layer in enumerate(layers):
+            for part in ("weight", "bias"):
+                if layer.get(part) is not None:
+                    uses.setdefault(layer[part], []).append(k)
+        self.pairs = [(name, k, later) for name, ks in uses.items() for i, k in enumerate(ks) for later in ks[i + 1:]]
+        self.bias = {name for name, k, _ in self.pairs if layers[k].get("bias") == name}
+
+    def take(self, k: int, g: torch.Tensor) -> torch.Tensor | None:
+        """Layer k's output gradient arrived: (B,) cross terms (already doubled) of the pairs it completes, or None."""
+        found, mine = None, None
+        for pair in self.pairs:
+            name, first, second = pair
+            if k not in (first, second):
+                continue
+            if mine is None:
+                mine = _rule_named(self.layers[k]["kind"]).outer_factors(self.layers[k], g.detach(), self.batch)
+            if pair not in self.kept:  # the first of the pair to arrive
+                self.kept[pair] = self._start(name, mine, second if k == first else first)
+                continue
+            cross = 2 * self._finish(name, self.kept.pop(pair), mine)
+            found = cross if found is None else found + cross
+        return found
+
+    def _start(self, name, mine, other):
+        if name in self.bias:
+            return mine["bias"]
+        theirs: dict = _rule_named(self.layers[other]["kind"]).outer_factors(self.layers[other], None, self.batch) or {}
+        side = "u" if theirs["u"][1] is not None else "v"  # their factor known without their output gradient
+        return side, _gram(mine[side], theirs[side]), mine["v" if side == "u" else "u"]
+
+    def _finish(self, name, kept, mine):
+        if name in self.bias:
+            return (kept * mine["bias"]).sum(1)
+        side, gram, their_other = kept
+        other_side = "v" if side == "u" else "u"
+        return (gram * _gram(their_other, mine[other_side])).sum((1, 2))
 
 
 def _rule_of(module: nn.Module, rules: tuple[_LayerRule, ...], short: str = "weight") -> _LayerRule | None:

@@ -119,8 +119,8 @@ class _BatchTrace(TorchDispatchMode):
     one operation only, one that the layer rule of its owning module recognises (the registry in
     _layers, one module per layer kind), which records the operation's input and output for the
     per-example products. need: what the caller asks of the rules ("grads", "jacobian" or "norms");
-    only rules that provide it are used. owners: {parameter name: the rule of its owning module}, from
-    _owner_rules; None skips that check (for tests that drive the trace by hand).
+    only rules that provide it are used. owners: {parameter name: the rules of the modules that register it},
+    from _owner_rules; None skips that check (for tests that drive the trace by hand).
 
     Which tensor is which. The maps are keyed by the C++ tensor (`t._cdata`, the address of its TensorImpl),
     not by the Python object: PyTorch may free a tensor's Python object while the C++ tensor lives on (a view
@@ -208,7 +208,7 @@ class _BatchTrace(TorchDispatchMode):
 
     def __init__(self, batch, inputs, trainable, need="grads", owners=None):
         super().__init__()
-        self.rules, self.owners = _rules_for(need), owners
+        self.rules, self.owners, self.need = _rules_for(need), owners, need
         self.plans = self._PLANS.setdefault(self.rules, {})
         # inputs: the tensors with examples; they and the parameters stay alive through the call (keep)
         self.batch, self.rows, self.keep = batch, {x._cdata: 1 for x in inputs}, [*inputs, *trainable.values()]
@@ -222,7 +222,7 @@ class _BatchTrace(TorchDispatchMode):
         self.transposed = {}  # key(weight.t()) -> name of the weight
         self.shared = {}      # key(a tensor every example shares, made from a parameter) -> what a layer rule needs of it
         self.layers = []      # dicts: kind, weight, bias (names or None), a, z, r, conv arguments
-        self.used = set()
+        self.used = {}        # name of a parameter used -> the rule of its first use
         self.failure = None
         self.unknown = set()
         self.fresh = {}       # key(a layer's output no operation has read yet) -> that layer
@@ -270,16 +270,20 @@ class _BatchTrace(TorchDispatchMode):
         return self.trainable.get(t._cdata) if isinstance(t, torch.Tensor) else None
 
     def use(self, name, func, rule):
-        """Mark parameter `name` as used by `func`, recognised by `rule`: once only, and by its owner's rule."""
+        """Mark parameter `name` as used by `func`, recognised by `rule`, which must be the rule of a module that
+        registers it (a tied weight has one per module). A parameter used by several operations gets each one's
+        share of its gradient added up (gradients and Jacobians add over uses); the norms also need the cross terms
+        between uses, which only some rules give (_LayerRule.outer_factors): for them a second use by any other
+        rule is refused."""
         if name is None:
             return None
-        if name in self.used:
+        if name in self.used and self.need == "norms" and not (rule.has_outer_factors() and self.used[name].has_outer_factors()):
             self.fail(f"parameter {name} is used twice (by {func} again)")
-        if self.owners is not None and self.owners.get(name) is not rule:
-            owner = self.owners.get(name)
+        if self.owners is not None and rule not in (self.owners.get(name) or ()):
+            owners = self.owners.get(name)
             self.fail(f"parameter {name} is used by {func} under the {rule.kind} rule, but its module's rule is "
-                      + (owner.kind if owner is not None else "none"))
-        self.used.add(name)
+                      + (" or ".join(owner.kind for owner in owners) if owners else "none"))
+        self.used.setdefault(name, rule)
         return name
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -467,15 +471,20 @@ def _losses_of_each(loss_fn, predictions: torch.Tensor, batch: _Batch) -> torch.
     return losses
 
 
-def _owner_rules(model: nn.Module, trainable: dict[str, nn.Parameter], need: str) -> dict[str, _LayerRule | None]:
-    """{name: the rule that covers the parameter in the module that owns it (its weight or bias, or a bare
-    parameter)} (None where no rule that provides `need` covers it), for every trainable parameter."""
+def _owner_rules(model: nn.Module, trainable: dict[str, nn.Parameter], need: str) -> dict[str, tuple[_LayerRule, ...] | None]:
+    """{name: the rules that cover the parameter in the modules that register it (as their weight or bias, or a
+    bare parameter; a tied weight has two)} (None where a module registers it that no rule providing `need`
+    covers), for every trainable parameter."""
     rules = _rules_for(need)
-    owners = {id(p): (module, short) for module in model.modules() for short, p in module._parameters.items() if p is not None}
-    found = {}
+    places: dict[int, list] = {}
+    for module in model.modules():
+        for short, p in module._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((module, short))
+    found: dict[str, tuple[_LayerRule, ...] | None] = {}
     for name, p in trainable.items():
-        module, short = owners[id(p)]
-        found[name] = _rule_of(module, rules, short)
+        covering = [_rule_of(module, rules, short) for module, short in places[id(p)]]
+        found[name] = tuple(dict.fromkeys(r for r in covering if r is not None)) if None not in covering else None
     return found
 
 
@@ -483,8 +492,8 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
     """Reasons, known before running anything, why the fast path cannot apply (None if it may).
     need: what the caller asks of the layer rules ("grads", "jacobian" or "norms")."""
     owners = {id(p): module for module in model.modules() for p in module._parameters.values() if p is not None}
-    for name, rule in _owner_rules(model, trainable, need).items():
-        if rule is None:
+    for name, rules in _owner_rules(model, trainable, need).items():
+        if rules is None:
             kinds = ", ".join(r.kind for r in _rules_for(need))
             return f"parameter {name} belongs to {type(owners[id(trainable[name])]).__name__}, not to a layer the fast path covers ({kinds})"
     for name, module in model.named_modules():

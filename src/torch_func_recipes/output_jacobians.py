@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.func import jacrev, vmap
 
 from ._batch import _as_batch, _check_chunk_size, _check_model, _Inputs, _Unbatched
-from ._layers import _rule_named
+from ._layers import _rule_named, _write_or_add
 from ._trace import PathReport, _check_path, _fast_path_screen, _owner_rules, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
@@ -88,7 +88,7 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
             if reason is None:
                 assert out is not None  # written by the first chunk
                 report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
-                                     "and every trainable parameter is used once, by an operation its layer's rule covers")
+                                     "and every use of a trainable parameter is an operation its layer's rule covers")
                 return (out, report_) if report else out
         if path == "fast":
             raise ValueError(f"the fast path does not apply: {reason}")
@@ -143,16 +143,17 @@ def _fast_jacobian_chunk(forward, trainable, part, out, rows, batch, total, owne
     basis = torch.eye(n_out, dtype=output.dtype, device=output.device)[:, None, :].expand(n_out, len(part), n_out)
     zs = [layer["z"] for layer in layers]
     deltas = vmap(lambda v: torch.autograd.grad(output, zs, v, retain_graph=True, allow_unused=True))(basis)
+    done: set = set()
     for layer, delta in zip(layers, deltas):
         delta = torch.zeros((n_out, *layer["z"].shape), dtype=output.dtype, device=output.device) if delta is None else delta
-        _jacobian_products(layer, delta.detach(), columns)
+        _jacobian_products(layer, delta.detach(), columns, done)
     return out, None
 
 
-def _jacobian_products(layer, delta, columns):
+def _jacobian_products(layer, delta, columns, done=None):
     """One traced layer's rows of the output Jacobian, by its kind's rule (_layers): delta is (Y, B*r, ...),
-    columns[name] is (B, Y, *shape)."""
-    _rule_named(layer["kind"]).jacobian_rows(layer, delta, columns)
+    columns[name] is (B, Y, *shape); done: as in _write_or_add."""
+    _write_or_add(_rule_named(layer["kind"]).jacobian_rows, layer, delta, columns, done)
 
 
 def _vmap_jacrev(model, select, trainable, batch, chunk_size, out, total):

@@ -27,14 +27,15 @@ from ._batch import (
     _scalar_loss,
     _Unbatched,
 )
-from ._layers import _rule_named
+from ._layers import _CrossTerms, _rule_named, _write_or_add
 from ._trace import PathReport, _check_path, _fast_path_screen, _losses_of_each, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
-def _per_example_products(layer, delta, out):
-    """Writes one traced layer's per-example weight and bias gradients into out[name], by its kind's rule (_layers)."""
-    _rule_named(layer["kind"]).per_example_grads(layer, delta.detach(), out)
+def _per_example_products(layer, delta, out, done=None):
+    """Writes one traced layer's per-example weight and bias gradients into out[name], by its kind's rule (_layers);
+    done: as in _write_or_add."""
+    _write_or_add(_rule_named(layer["kind"]).per_example_grads, layer, delta.detach(), out, done)
 
 
 def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None = None, targets: Any = None, *, unbatched: _Unbatched = (),
@@ -112,7 +113,7 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
                     break
             if reason is None:
                 report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
-                                     "and every trainable parameter is used once, by an operation its layer's rule covers")
+                                     "and every use of a trainable parameter is an operation its layer's rule covers")
                 return (result, report_) if report else result
         if path == "fast":
             raise ValueError(f"the fast path does not apply: {reason}")
@@ -148,8 +149,9 @@ def _fast_chunk(model, trainable, loss_fn, batch, out):
         return reason
     total = _losses_of_each(loss_fn, output, batch).sum()
     deltas = torch.autograd.grad(total, [layer["z"] for layer in layers], allow_unused=True)
+    done: set = set()
     for layer, delta in zip(layers, deltas):
-        _per_example_products(layer, torch.zeros_like(layer["z"]) if delta is None else delta, out)
+        _per_example_products(layer, torch.zeros_like(layer["z"]) if delta is None else delta, out, done)
     return None
 
 
@@ -328,7 +330,10 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
         A (B,) tensor without autograd graph, with ``report=True`` a pair ``(norms, PathReport)``. Memory beyond
         the model's own forward and backward pass: on the fast path, each covered layer's input and output,
         kept from the forward pass, and each layer's share reduced as the backward pass reaches it (per chunk of
-        ``chunk_size`` examples); elsewhere, ``chunk_size`` examples' gradients of
+        ``chunk_size`` examples); for a parameter two layers use (a tied weight), until the second is reached,
+        a (B, T, T) matrix of products between their rows and the first one's output gradient where that is a
+        factor of the cross term (a linear layer used twice; a table tied to an output layer keeps only the
+        matrix); elsewhere, ``chunk_size`` examples' gradients of
         the streamed parameters and their intermediates, the whole batch's when ``chunk_size`` is None
         (``tests/test_norms_memory.py`` measures it).
 
@@ -409,9 +414,13 @@ def _clipped_from_outputs(layers, kept, weights, trainable):
     """[sum_i w_i g_i for each trainable parameter], from the traced layers alone: each layer's output gradient
     (kept: {layer index: gradient of the summed losses at its output}) weighted by its example's w_i, pulled back
     to that layer's own parameters only: by the rule's own formula (weighted_sum: a linear layer's g^T a, one
-    matrix product), or else by autograd, which walks only the layer's own operation since the fast path's trace
-    guarantees each parameter has that one use (its input's gradient is not asked for)."""
+    matrix product), or else by autograd, which walks only the layer's own operation where the parameter has that
+    one use (its input's gradient is not asked for). A parameter several layers use gets their shares added."""
     found: dict[str, torch.Tensor | None] = {}
+    uses: dict[str, int] = {}
+    for layer in layers:
+        for name in (layer["weight"], layer["bias"]):
+            uses[name] = uses.get(name, 0) + 1
     for k, layer in enumerate(layers):
         own = [name for name in (layer["weight"], layer["bias"]) if name is not None]
         if not own or k not in kept:
@@ -423,11 +432,15 @@ def _clipped_from_outputs(layers, kept, weights, trainable):
             direct = rule.weighted_sum(layer, g * per_row)
             if direct is None:
                 raise RuntimeError(f"the {rule.kind} rule defines weighted_sum but gave no answer")
-            found.update(direct)
-            continue
-        got = torch.autograd.grad(layer["z"], [trainable[name] for name in own], g * per_row, retain_graph=True,
-                                  allow_unused=True)
-        found.update(zip(own, got))
+        else:
+            if any(uses[name] > 1 for name in own):  # autograd would also walk back through the parameter's other uses
+                raise RuntimeError(f"the {rule.kind} rule has no weighted_sum, and a parameter of its layer has other uses")
+            got = torch.autograd.grad(layer["z"], [trainable[name] for name in own], g * per_row, retain_graph=True,
+                                      allow_unused=True)
+            direct = dict(zip(own, got))
+        for name, value in direct.items():  # a parameter several layers use (a tied weight): their shares add up
+            before = found.get(name)
+            found[name] = value if before is None else before if value is None else before + value
     return [found.get(name) for name in trainable]
 
 
@@ -452,11 +465,16 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
         total = losses.sum()
         chunk, done = losses.new_zeros(len(part), dtype=next(iter(trainable.values())).dtype), set()
         kept: dict[int, torch.Tensor] = {}
+        cross = _CrossTerms(layers, len(part))  # a parameter two layers use (a tied weight): their inner products
 
         def take(k, g):
             for name, s, kind in _layer_squares(layers[k], g, len(part)):  # noqa: F821 (ruff: `del layers` below; take runs before it)
                 chunk.add_(s)
                 how[name] = kind
+            if cross.pairs:
+                between = cross.take(k, g)
+                if between is not None:
+                    chunk.add_(between)
             done.add(k)
             if clipped is not None:
                 kept[k] = g.detach()  # noqa: F821 (as above)
