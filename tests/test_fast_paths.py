@@ -47,7 +47,8 @@ def check_clipped_sum(clipped_sum, reference):
         torch.testing.assert_close(clipped[name], torch.einsum("b,b...->...", factors, reference[name]), rtol=1e-10, atol=1e-12)
 
 
-# A parameter used twice: gradients and (B, Y, P) add its uses' shares on the fast path; the norms take vmap
+# A parameter of a kind without outer factors (RMSNorm, a layer scale) used twice: gradients and (B, Y, P) add its
+# uses' shares on the fast path; the norms, which would need the uses' cross term, take vmap
 USED_TWICE = ("fast", "vmap", "fast")
 
 

@@ -115,10 +115,10 @@ class _BatchTrace(TorchDispatchMode):
 
     A tensor is 'batched' with r rows per example when its dimension 0 has B*r rows and rows
     [n*r, (n+1)*r) are computed from example n alone. Every operation must keep that true (an
-    allow-list of rules, below); anything else stops the trace. A trainable parameter may be used by
-    one operation only, one that the layer rule of its owning module recognises (the registry in
-    _layers, one module per layer kind), which records the operation's input and output for the
-    per-example products. need: what the caller asks of the rules ("grads", "jacobian" or "norms");
+    allow-list of rules, below); anything else stops the trace. Every use of a trainable parameter must be
+    an operation that the layer rule of a module registering it recognises (the registry in _layers, one
+    module per layer kind), which records the operation's input and output for the per-example
+    products; a second use is allowed as `use` says. need: what the caller asks of the rules ("grads", "jacobian" or "norms");
     only rules that provide it are used. owners: {parameter name: the rules of the modules that register it},
     from _owner_rules; None skips that check (for tests that drive the trace by hand).
 

@@ -420,7 +420,8 @@ def _clipped_from_outputs(layers, kept, weights, trainable):
     uses: dict[str, int] = {}
     for layer in layers:
         for name in (layer["weight"], layer["bias"]):
-            uses[name] = uses.get(name, 0) + 1
+            if name is not None:
+                uses[name] = uses.get(name, 0) + 1
     for k, layer in enumerate(layers):
         own = [name for name in (layer["weight"], layer["bias"]) if name is not None]
         if not own or k not in kept:
