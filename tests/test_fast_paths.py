@@ -566,3 +566,85 @@ def test_a_tied_table_adds_its_uses_and_their_cross_terms(twice):
     torch.manual_seed(13)
     model = TiedTable(twice).double()
     check_paths_and_the_loop(model, IDS, "fast")
+
+
+class CastsItsWeights(nn.Module):
+    """Parameters in float64, arithmetic in float32: the forward pass casts each weight itself (as models that keep
+    a master copy do, and as autocast does for a GPU's bfloat16). `misuse` also adds the cast weight to the output,
+    a use outside its layer."""
+
+    def __init__(self, misuse=False):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 6), nn.Linear(6, C)
+        self.misuse = misuse
+
+    def forward(self, x):
+        x = x.float()
+        h = torch.tanh(F.linear(x, self.first.weight.float(), self.first.bias.float()))
+        out = F.linear(h, self.second.weight.float(), self.second.bias.float())
+        out = out.mean(1)  # three rows (tokens) per example
+        return out + self.second.weight.float().sum() if self.misuse else out
+
+
+@pytest.mark.parametrize("misuse", [False, True], ids=["cast", "cast and used outside its layer"])
+def test_a_weight_cast_to_another_dtype_stands_for_the_parameter(misuse):
+    """The trace follows a parameter's copy in another dtype as the parameter (the gradient flows back through the
+    cast), and forms each example's products in the parameter's dtype. The loop runs the same float32 forward and
+    backward pass and rounds the gradient to float32 on its way back through the cast, where the fast path multiplies
+    in float64: they differ by float32 rounding (about 6e-8 relative per operation, a few operations deep), hence
+    rtol 1e-5. A cast copy used outside its layer is refused."""
+    torch.manual_seed(14)
+    model = CastsItsWeights(misuse).double()
+    x = torch.randn(B, 3, 4, generator=torch.Generator().manual_seed(15), dtype=torch.float64)
+    loss_fn = lambda out, t: F.cross_entropy(out, t)  # noqa: E731
+    reference = loop_grads(model, loss_fn, x, TARGETS)
+    grads, how = tfr.per_sample_grads(model, loss_fn, x, TARGETS, report=True)
+    norms, how_norms = tfr.per_sample_grad_norms(model, loss_fn, x, TARGETS, report=True)
+    clipped, how_clipped = tfr.clipped_grad_sum(model, loss_fn, x, TARGETS, max_norm=norms_of(reference).median().item(), report=True)
+    expected = "vmap" if misuse else "fast"
+    assert (how.path, how_norms.path, how_clipped.path) == (expected,) * 3, (how, how_norms, how_clipped)
+    for name in reference:
+        assert grads[name].dtype == torch.float64
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(norms, norms_of(reference), rtol=1e-5, atol=1e-7)
+    factors = (norms_of(reference).median() / (norms_of(reference) + 1e-6)).clamp(max=1.0)
+    for name in reference:
+        torch.testing.assert_close(clipped[name], torch.einsum("b,b...->...", factors, reference[name]), rtol=1e-5, atol=1e-7)
+    J, how_jacobian = tfr.output_jacobian(model, x, report=True)
+    assert how_jacobian.path == expected, how_jacobian
+    params = list(model.parameters())
+    rows = [torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)]) for o in model(xi[None])[0]])
+            for xi in x]
+    torch.testing.assert_close(J, torch.stack(rows), rtol=1e-5, atol=1e-7)  # in the parameters' dtype on every path
+
+
+def relative_error(grads, reference):
+    flat = lambda d: torch.cat([d[n].double().flatten(1) for n in reference], dim=1)  # noqa: E731
+    return ((flat(grads) - flat(reference)).norm() / flat(reference).norm()).item()
+
+
+def test_autocast_keeps_the_fast_path_and_its_precision():
+    """Under autocast (bfloat16 on the CPU here, as on a GPU), GPT-2's layers run on bfloat16 copies of the float32
+    weights: the recipes stay on the fast path, also after a forward pass in the same autocast region (whose cached
+    copies would reach the trace unannounced), and their per-example gradients are no further from the float64 loop
+    than plain vmap(grad)'s under the same autocast (bfloat16 keeps 8 significant bits: about 4e-3 relative per
+    rounding, so both land near 1e-2; 1.25x leaves room for rounding in a different order)."""
+    model = gpt2(True).float()
+    loss_fn = lambda out, t: F.cross_entropy(out.logits[:, -1, :C].float(), t)  # noqa: E731
+    reference = tfr.per_sample_grads(gpt2(True), lambda out, t: F.cross_entropy(out.logits[:, -1, :C], t), targets=TARGETS,
+                                     path="loop", input_ids=IDS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=IDS)  # fills autocast's cache of bfloat16 weights
+        grads, how = tfr.per_sample_grads(model, loss_fn, targets=TARGETS, report=True, input_ids=IDS)
+        norms, how_norms = tfr.per_sample_grad_norms(model, loss_fn, targets=TARGETS, report=True, input_ids=IDS)
+        step, how_step = tfr.clipped_noisy_gradient(model, loss_fn, targets=TARGETS, max_norm=1.0, noise_multiplier=0.0,
+                                                    report=True, input_ids=IDS)
+        plain = tfr.per_sample_grads(model, loss_fn, targets=TARGETS, path="vmap", input_ids=IDS)
+    assert (how.path, how_norms.path, how_step.path) == ("fast",) * 3, (how, how_norms, how_step)
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    ours, theirs = relative_error(grads, reference), relative_error(plain, reference)
+    assert ours <= 1.25 * theirs and ours < 3e-2, (ours, theirs)
+    assert ((norms.double() - norms_of(reference)).abs() / norms_of(reference)).max() < 3e-2
+    factors = (1.0 / (norms_of(reference) + 1e-6)).clamp(max=1.0)
+    expected = {n: torch.einsum("b,b...->...", factors, reference[n]) / B for n in reference}
+    assert relative_error({n: step[n][None] for n in reference}, {n: expected[n][None] for n in reference}) < 3e-2

@@ -129,7 +129,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "output is allowed)",
                None, lambda: torch.zeros(1)),
     PrivateAPI("Tensor._cdata", "object attribute", tuple(f"_trace._BatchTrace.{m}" for m in (
-                   "__init__", "__torch_dispatch__", "admit", "follow_fresh", "mark_transposed", "param_of", "r_of", "rule",
+                   "__init__", "__torch_dispatch__", "admit", "follow_cast", "follow_fresh", "mark_transposed", "param_of", "r_of", "rule",
                    "share", "shared_of", "transposed_of")),
                "the address of the C++ tensor, the one identity a tensor keeps while PyTorch frees and remakes its "
                "Python object (a view's base, a saved tensor); id() names the Python object only",
@@ -142,8 +142,9 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "reshape (where it must copy) and matmul's reshapes dispatch to it; " + _DISPATCH_ALIAS, None, None),
     PrivateAPI("torch.ops.aten._reshape_alias.default", "aten operator", _TRACE,
                "reshape can dispatch to it (older releases, some backends); " + _DISPATCH_ALIAS, None, None),
-    PrivateAPI("torch.ops.aten._to_copy.default", "aten operator", _TRACE,
-               "Tensor.to and type conversions dispatch to it; " + _DISPATCH_ALIAS, None, None),
+    PrivateAPI("torch.ops.aten._to_copy.default", "aten operator", ("_trace._BatchTrace", "_trace._BatchTrace.rule"),
+               "Tensor.to, type conversions and autocast's casts dispatch to it (the trace follows a parameter's cast copy "
+               "as the parameter); " + _DISPATCH_ALIAS, None, None),
     PrivateAPI("torch.ops.aten._adaptive_avg_pool2d.default", "aten operator", _TRACE,
                "F.adaptive_avg_pool2d dispatches to it; " + _DISPATCH_ALIAS, None, None),
     PrivateAPI("torch.ops.aten._softmax.default", "aten operator", _TRACE,

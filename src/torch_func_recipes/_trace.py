@@ -360,6 +360,9 @@ class _BatchTrace(TorchDispatchMode):
                 for layer in self.layers[count:]:
                     self.fresh[layer["z"]._cdata] = layer
                 return out_r
+        if func is self.aten._to_copy.default and len(params) == 1 and r is None and not transposed:
+            if self.follow_cast(args, kwargs, result, params[0]):
+                return None
         if params or transposed:
             self.fail(f"{func} uses parameter {(params + transposed)[0]} in a way the fast path does not know")
         tensors = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
@@ -422,6 +425,20 @@ class _BatchTrace(TorchDispatchMode):
                 self.fail(f"{func} attends across the batch dimension")
             return r
         self.fail(f"{func} is not on the fast path's list of operations")
+
+    def follow_cast(self, args, kwargs, result, name):
+        """A parameter copied into another floating dtype on its own device (autocast's bfloat16 copy of a float32
+        weight, or a model's own weight.to(x.dtype)): the copy stands for the parameter from here on, so its uses
+        are the parameter's (the gradient flows back through the copy, cast to the parameter's dtype). False where
+        the copy changes anything but the dtype."""
+        (source,) = _tensors_in(args)
+        if not (isinstance(result, torch.Tensor) and source.is_floating_point() and result.is_floating_point()
+                and result.device == source.device and result.layout == source.layout and result.shape == source.shape
+                and set(kwargs) <= {"dtype", "device", "layout", "memory_format", "non_blocking", "pin_memory"}
+                and not kwargs.get("pin_memory")):
+            return False
+        self.trainable[result._cdata] = name
+        return True
 
     @staticmethod
     def values_of(func, args, kwargs):
@@ -531,11 +548,18 @@ def _run_trace(model, batch, trainable, need, owners):
     if owners is None and isinstance(model, nn.Module):
         owners = _owner_rules(model, trainable, need)
     tracer = _BatchTrace(len(batch), batch.tensors(), trainable, need, owners)
+    # autocast keeps the low-precision copy of each parameter it casts, for the rest of its region: a copy made
+    # before the trace (an earlier forward pass in the same region) would reach the trace unannounced, as a
+    # constant. With the cache off, every cast is an operation the trace sees (follow_cast).
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
     try:
         with tracer:
             output = batch.call(model)
     except _NotPerExample as stop:
         return None, None, str(stop)
+    finally:
+        torch.set_autocast_cache_enabled(cache)
     if getattr(tracer, "failure", None):  # the model's forward caught the trace's exception
         return None, None, tracer.failure
     leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
@@ -549,4 +573,28 @@ def _run_trace(model, batch, trainable, need, owners):
     for layer in tracer.layers:
         if (layer["a"]._version, layer["z"]._version) != layer["versions"]:
             return None, None, f"an in-place operation changed the input or output of the layer of {layer['weight'] or layer['bias']}"
+    for layer in tracer.layers:
+        _in_parameter_dtype(layer, trainable)
     return output, tracer.layers, None
+
+
+def _in_parameter_dtype(layer, trainable):
+    """Autocast runs a layer in a lower precision than its parameters (bfloat16 operands for float32 weights;
+    the trace follows the cast copy as the parameter, _BatchTrace.follow_cast). Autograd accumulates a
+    parameter's gradient in the parameter's dtype; so do the per-example products: the layer's recorded
+    tensors are cast to it here, and layer["dtype"] tells the consumers to cast the output gradient too
+    (_delta_in_dtype). A layer that ran in its parameters' dtype is left as it is."""
+    name = layer.get("weight") or layer.get("bias")
+    dtype = trainable[name].dtype if name is not None else None
+    if dtype is None or layer["z"].dtype == dtype or not (dtype.is_floating_point and layer["z"].is_floating_point()):
+        return
+    layer["dtype"] = dtype
+    for key, value in layer.items():
+        if key != "z" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            layer[key] = value.to(dtype)
+
+
+def _delta_in_dtype(layer, delta):
+    """The gradient with respect to a layer's output, in the dtype its products are formed in (_in_parameter_dtype)."""
+    dtype = layer.get("dtype")
+    return delta if dtype is None or delta.dtype == dtype else delta.to(dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ from torch.func import jacrev, vmap
 
 from ._batch import _as_batch, _check_chunk_size, _check_model, _Inputs, _Unbatched
 from ._layers import _rule_named, _write_or_add
-from ._trace import PathReport, _check_path, _fast_path_screen, _owner_rules, _traced_forward
+from ._trace import PathReport, _check_path, _delta_in_dtype, _fast_path_screen, _owner_rules, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
@@ -37,7 +38,7 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
         **keyword_inputs: the model's keyword arguments, in place of ``inputs`` (``**batch``).
 
     Returns:
-        The (B, Y, P) tensor (B x Y x P numbers), with ``report=True`` a pair ``(jacobian, PathReport)``. An
+        The (B, Y, P) tensor (B x Y x P numbers) in the parameters' dtype, with ``report=True`` a pair ``(jacobian, PathReport)``. An
         empty batch gives a (0, Y, P) tensor, Y read from the model's output on it.
 
     Example::
@@ -74,7 +75,7 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
                 raise ValueError("the batch is empty, and the model cannot run on an empty batch to tell the number of "
                                  "outputs Y") from error
             _output_rows(output, 0)
-            result = _result_buffer(out, 0, output.shape[1], total, output)
+            result = _result_buffer(out, 0, output.shape[1], total, output, trainable)
             return (result, PathReport("none", "the batch is empty")) if report else result
         step = chunk_size or size
         reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable, "jacobian")
@@ -104,7 +105,7 @@ def _loop_jacobian(forward, trainable, batch, out, total):
     for n in range(len(batch)):
         output = batch.example(n).call(forward)
         _output_rows(output, 1)
-        out = _result_buffer(out, len(batch), output.shape[1], total, output)
+        out = _result_buffer(out, len(batch), output.shape[1], total, output, trainable)
         for j in range(output.shape[1]):
             grads = torch.autograd.grad(output[0, j], params, retain_graph=True, allow_unused=True)
             torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)], out=out[n, j])
@@ -119,11 +120,15 @@ def _output_rows(output, batch):
                          "(for a Hugging Face ModelOutput, say, select=lambda out: out.logits)")
 
 
-def _result_buffer(out, batch, n_out, total, like):
+def _result_buffer(out, batch, n_out, total, like, trainable):
+    """The (B, Y, P) result: out, checked, or a new tensor on like's device, in the parameters' dtype on every path
+    (as autograd gives gradients; under autocast the output may be bfloat16 while the parameters are float32)."""
+    dtypes = [p.dtype for p in trainable.values()]
+    dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else like.dtype
     if out is None:
-        return like.new_empty((batch, n_out, total))
-    if out.shape != (batch, n_out, total) or out.dtype != like.dtype or out.device != like.device:
-        raise ValueError(f"out must be a {like.dtype} tensor of shape {(batch, n_out, total)} on {like.device}")
+        return like.new_empty((batch, n_out, total), dtype=dtype)
+    if out.shape != (batch, n_out, total) or out.dtype != dtype or out.device != like.device:
+        raise ValueError(f"out must be a {dtype} tensor of shape {(batch, n_out, total)} on {like.device}")
     return out
 
 
@@ -133,7 +138,7 @@ def _fast_jacobian_chunk(forward, trainable, part, out, rows, batch, total, owne
         return out, reason
     _output_rows(output, len(part))
     n_out = output.shape[1]
-    out = _result_buffer(out, batch, n_out, total, output)
+    out = _result_buffer(out, batch, n_out, total, output, trainable)
     block = out[rows]
     columns, start = {}, 0
     for name, p in trainable.items():
@@ -153,7 +158,7 @@ def _fast_jacobian_chunk(forward, trainable, part, out, rows, batch, total, owne
 def _jacobian_products(layer, delta, columns, done=None):
     """One traced layer's rows of the output Jacobian, by its kind's rule (_layers): delta is (Y, B*r, ...),
     columns[name] is (B, Y, *shape); done: as in _write_or_add."""
-    _write_or_add(_rule_named(layer["kind"]).jacobian_rows, layer, delta, columns, done)
+    _write_or_add(_rule_named(layer["kind"]).jacobian_rows, layer, _delta_in_dtype(layer, delta), columns, done)
 
 
 def _vmap_jacrev(model, select, trainable, batch, chunk_size, out, total):
@@ -169,7 +174,7 @@ def _vmap_jacrev(model, select, trainable, batch, chunk_size, out, total):
     # which all rows of its Jacobian share (jacrev runs the forward pass once per example)
     blocks = vmap(jacrev(of_one), in_dims=(None, *in_dims), randomness="different", chunk_size=chunk_size)(detached, *values)
     size, n_out = len(batch), next(iter(blocks.values())).shape[1]
-    out = _result_buffer(out, size, n_out, total, next(iter(blocks.values())))
+    out = _result_buffer(out, size, n_out, total, next(iter(blocks.values())), trainable)
     torch.cat([blocks[name].reshape(size, n_out, -1) for name in trainable], dim=2, out=out)
     return out
 

@@ -28,14 +28,14 @@ from ._batch import (
     _Unbatched,
 )
 from ._layers import _CrossTerms, _rule_named, _write_or_add
-from ._trace import PathReport, _check_path, _fast_path_screen, _losses_of_each, _traced_forward
+from ._trace import PathReport, _check_path, _delta_in_dtype, _fast_path_screen, _losses_of_each, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
 def _per_example_products(layer, delta, out, done=None):
     """Writes one traced layer's per-example weight and bias gradients into out[name], by its kind's rule (_layers);
     done: as in _write_or_add."""
-    _write_or_add(_rule_named(layer["kind"]).per_example_grads, layer, delta.detach(), out, done)
+    _write_or_add(_rule_named(layer["kind"]).per_example_grads, layer, _delta_in_dtype(layer, delta.detach()), out, done)
 
 
 def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None = None, targets: Any = None, *, unbatched: _Unbatched = (),
@@ -175,8 +175,9 @@ def clip_and_noise(per_sample: _Grads, max_norm: float, noise_multiplier: float,
         per_sample (dict): ``{name: (B, *shape)}`` per-example gradients.
         max_norm (float): the clipping norm C.
         noise_multiplier (float): sigma; the noise's standard deviation is ``sigma * C``.
-        generator (torch.Generator, optional): the CPU generator the noise is drawn from (then moved), so a
-            seeded call gives the same step on any device; fresh randomness if None.
+        generator (torch.Generator, optional): as in :func:`noised_mean`: a CPU generator (then moved), so a
+            seeded call gives the same step on any device, or one on the gradients' device; fresh noise on
+            their device if None.
         expected_batch_size (int or float, optional): the divisor (with Poisson sampling, the expected batch
             size); B if None.
 
@@ -216,9 +217,18 @@ def clip_and_noise(per_sample: _Grads, max_norm: float, noise_multiplier: float,
     private = {}
     for name, g in per_sample.items():
         clipped_sum = torch.einsum("b,b...->...", scale.to(g.dtype), g)
-        noise = torch.randn(clipped_sum.shape, generator=generator, dtype=g.dtype).to(g.device)
+        noise = _noise_like(clipped_sum, generator)
         private[name] = (clipped_sum + noise_multiplier * max_norm * noise) / divisor
     return private
+
+
+def _noise_like(t: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Standard normal noise shaped like t, drawn where the generator lives and moved to t's device: a CPU
+    generator gives the same noise on any device; one on t's device, or None (fresh noise), draws it there,
+    without a copy from the host (on a GPU, drawing a large model's noise on the CPU costs more than the
+    rest of a DP step)."""
+    where = t.device if generator is None else generator.device
+    return torch.randn(t.shape, generator=generator, dtype=t.dtype, device=where).to(t.device)
 
 
 def noised_mean(clipped_sum: _Grads, *, max_norm: float, noise_multiplier: float, expected_batch_size: int | float,
@@ -231,8 +241,10 @@ def noised_mean(clipped_sum: _Grads, *, max_norm: float, noise_multiplier: float
         max_norm (float): the clipping norm C; the noise's standard deviation is ``noise_multiplier * C``.
         noise_multiplier (float): sigma, non-negative.
         expected_batch_size (int or float): the divisor (with Poisson sampling, the expected batch size).
-        generator (torch.Generator, optional): the CPU generator the noise is drawn from, parameter by
-            parameter in the dict's order, then moved to each tensor's device.
+        generator (torch.Generator, optional): the generator the noise is drawn from, parameter by parameter
+            in the dict's order: a CPU generator (the noise is then moved to each tensor's device, so a seeded
+            call gives the same step on any device) or one on the tensors' device (faster on a GPU); None
+            draws fresh noise on each tensor's device.
 
     Returns:
         ``{name: tensor}`` shaped like ``clipped_sum``.
@@ -256,7 +268,7 @@ def noised_mean(clipped_sum: _Grads, *, max_norm: float, noise_multiplier: float
         raise ValueError(f"the batch is empty or expected_batch_size is not positive ({expected_batch_size})")
     private = {}
     for name, total in clipped_sum.items():
-        noise = torch.randn(total.shape, generator=generator, dtype=total.dtype).to(total.device)
+        noise = _noise_like(total, generator)
         private[name] = (total + noise_multiplier * max_norm * noise) / expected_batch_size
     return private
 
@@ -436,7 +448,7 @@ def _clipped_from_outputs(layers, kept, weights, trainable):
         else:
             if any(uses[name] > 1 for name in own):  # autograd would also walk back through the parameter's other uses
                 raise RuntimeError(f"the {rule.kind} rule has no weighted_sum, and a parameter of its layer has other uses")
-            got = torch.autograd.grad(layer["z"], [trainable[name] for name in own], g * per_row, retain_graph=True,
+            got = torch.autograd.grad(layer["z"], [trainable[name] for name in own], (g * per_row).to(layer["z"].dtype), retain_graph=True,
                                       allow_unused=True)
             direct = dict(zip(own, got))
         for name, value in direct.items():  # a parameter several layers use (a tied weight): their shares add up
@@ -469,6 +481,7 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
         cross = _CrossTerms(layers, len(part))  # a parameter two layers use (a tied weight): their inner products
 
         def take(k, g):
+            g = _delta_in_dtype(layers[k], g)  # noqa: F821 (as below)
             for name, s, kind in _layer_squares(layers[k], g, len(part)):  # noqa: F821 (ruff: `del layers` below; take runs before it)
                 chunk.add_(s)
                 how[name] = kind
@@ -587,7 +600,7 @@ def clipped_noisy_gradient(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs |
         model, loss_fn, inputs, targets, unbatched, chunk_size, path, keyword_inputs: as in :func:`per_sample_grad_norms`.
         max_norm (float): the clipping norm C.
         noise_multiplier (float): sigma; the noise's standard deviation is ``sigma * C``.
-        generator (torch.Generator, optional): the CPU generator of the noise.
+        generator (torch.Generator, optional): the noise's generator, as in :func:`noised_mean`.
         expected_batch_size (int or float, optional): B (with Poisson sampling); the batch's size if None.
         norms (Tensor, optional): the (B,) gradient norms, when already computed on this model and batch.
         report (bool): also return the clipped sum's :class:`PathReport`.
