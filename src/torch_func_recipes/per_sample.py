@@ -438,9 +438,9 @@ def _clipped_from_outputs(layers, kept, weights, trainable):
         own = [name for name in (layer["weight"], layer["bias"]) if name is not None]
         if not own or k not in kept:
             continue
-        g = kept[k]
-        per_row = weights.to(g.dtype).repeat_interleave(g.shape[0] // len(weights)).view(-1, *[1] * (g.dim() - 1))
         rule = _rule_named(layer["kind"])
+        g = _delta_in_dtype(layer, kept[k]) if rule.has_weighted_sum() else kept[k]  # autograd takes the output's dtype
+        per_row = weights.to(g.dtype).repeat_interleave(g.shape[0] // len(weights)).view(-1, *[1] * (g.dim() - 1))
         if rule.has_weighted_sum():  # the layer's own formula (the graph was not kept for these)
             direct = rule.weighted_sum(layer, g * per_row)
             if direct is None:
@@ -448,7 +448,7 @@ def _clipped_from_outputs(layers, kept, weights, trainable):
         else:
             if any(uses[name] > 1 for name in own):  # autograd would also walk back through the parameter's other uses
                 raise RuntimeError(f"the {rule.kind} rule has no weighted_sum, and a parameter of its layer has other uses")
-            got = torch.autograd.grad(layer["z"], [trainable[name] for name in own], (g * per_row).to(layer["z"].dtype), retain_graph=True,
+            got = torch.autograd.grad(layer["z"], [trainable[name] for name in own], g * per_row, retain_graph=True,
                                       allow_unused=True)
             direct = dict(zip(own, got))
         for name, value in direct.items():  # a parameter several layers use (a tied weight): their shares add up
@@ -481,6 +481,8 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
         cross = _CrossTerms(layers, len(part))  # a parameter two layers use (a tied weight): their inner products
 
         def take(k, g):
+            if clipped is not None:
+                kept[k] = g.detach()  # noqa: F821 (as below); in the output's dtype, cast where used
             g = _delta_in_dtype(layers[k], g)  # noqa: F821 (as below)
             for name, s, kind in _layer_squares(layers[k], g, len(part)):  # noqa: F821 (ruff: `del layers` below; take runs before it)
                 chunk.add_(s)
@@ -490,8 +492,6 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
                 if between is not None:
                     chunk.add_(between)
             done.add(k)
-            if clipped is not None:
-                kept[k] = g.detach()  # noqa: F821 (as above)
 
         lowest = _lowest_layers(layers) if total.requires_grad else []
         handles = [layer["z"].register_hook(lambda g, k=k: take(k, g)) for k, layer in enumerate(layers)
