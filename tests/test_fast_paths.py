@@ -1,10 +1,11 @@
 """The fast path's newer layer kinds (issue 28, item 1): LayerNorm and embeddings in per_sample_grads, a position
 embedding every example shares (broadcast over the batch), transformers' Conv1D (GPT-2's projections),
-scaled_dot_product_attention with and without a mask, a model that returns a pytree (a ModelOutput) and a cache
-concatenated to an empty tensor. Each model takes the path named in its case, and its per-sample gradients and
-norms equal the loop (every example as a batch of one, plain autograd) in float64. The adversarial cases (item 5)
-break one assumption each, a lookup used twice, a tied table, a mask or keys that mix examples, a projection
-called twice, and must be refused by the trace (another path, still equal to the loop)."""
+scaled_dot_product_attention with and without a mask, a model that returns a pytree (a ModelOutput), a cache
+concatenated to an empty tensor, and weights cast to another dtype (by the model, or by autocast). Each model
+takes the path named in its case, and its per-sample gradients and norms equal the loop (every example as a
+batch of one, plain autograd) in float64. The adversarial cases (item 5) break one assumption each, a lookup
+used twice, a tied table, a mask or keys that mix examples, a projection called twice, a cast weight used
+outside its layer, and must be refused by the trace (another path, still equal to the loop)."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
