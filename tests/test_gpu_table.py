@@ -1,0 +1,54 @@
+"""scripts/gpu_table.py, the GPU table of Chapter 11, runs anywhere with --quick: its checks (every recipe against
+plain vmap(grad) on six transformers families, float32 and bfloat16 autocast) pass, and a recipe that is wrong
+stops it before any timing. The timing cells are skipped here (--deadline 0): a timing never decides a test."""
+import json
+
+import pytest
+import torch
+
+import torch_func_recipes as tfr
+from scripts import gpu_table
+
+pytest.importorskip("transformers")
+# vmap(grad), the reference, runs scaled_dot_product_attention by its slow fallback, and says so: a note, not a fault
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
+
+
+def run(tmp_path):
+    out = tmp_path / "table.json"
+    gpu_table.main(["--quick", "--deadline", "0", "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_the_checks_pass_and_every_family_takes_the_fast_path(tmp_path):
+    record = run(tmp_path)
+    assert set(record["checks"]) == {"GPT-2", "BERT", "Llama", "ResNet (BN eval)", "ConvNeXt", "ViT"}
+    for name, check in record["checks"].items():
+        assert check["paths"] == ["fast"] * 3 and check["bf16 path"] == "fast", (name, check)
+    assert record["cells"] == []  # past the deadline: nothing timed
+
+
+def test_a_wrong_recipe_stops_the_table(tmp_path, monkeypatch):
+    right = tfr.per_sample_grad_norms
+
+    def off_by_a_little(*args, **kwargs):  # every norm 1e-4 too large: float32 would never explain it
+        norms, how = right(*args, **kwargs)
+        return norms * (1 + 1e-4), how
+
+    monkeypatch.setattr(tfr, "per_sample_grad_norms", off_by_a_little)
+    with pytest.raises(AssertionError, match="disagree with vmap.*norms"):
+        run(tmp_path)
+
+
+def test_bfloat16_no_worse_than_vmap_is_checked(tmp_path, monkeypatch):
+    right = tfr.per_sample_grads
+
+    def rounded_too_much(*args, **kwargs):  # under autocast, noise of 5% of each gradient's largest entry: far past bfloat16's rounding
+        grads, how = right(*args, **kwargs)
+        if torch.is_autocast_enabled("cpu"):
+            grads = {n: g + 0.05 * g.abs().max() * torch.randn_like(g) for n, g in grads.items()}
+        return grads, how
+
+    monkeypatch.setattr(tfr, "per_sample_grads", rounded_too_much)
+    with pytest.raises(AssertionError, match="bf16 grads"):
+        run(tmp_path)
