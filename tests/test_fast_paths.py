@@ -48,9 +48,9 @@ def check_clipped_sum(clipped_sum, reference):
         torch.testing.assert_close(clipped[name], torch.einsum("b,b...->...", factors, reference[name]), rtol=1e-10, atol=1e-12)
 
 
-# A parameter of a kind without outer factors (RMSNorm, a layer scale) used twice: gradients and (B, Y, P) add its
-# uses' shares on the fast path; the norms, which would need the uses' cross term, take vmap
-USED_TWICE = ("fast", "vmap", "fast")
+# A parameter whose per-example shares are given whole (RMSNorm's weight, a layer scale) used twice: gradients and
+# (B, Y, P) add its uses' shares on the fast path; the norms add the inner product of the two shares
+USED_TWICE = ("fast", "fast", "fast")
 
 
 def check_paths_and_the_loop(model, inputs, path):
@@ -649,3 +649,25 @@ def test_autocast_keeps_the_fast_path_and_its_precision():
     factors = (1.0 / (norms_of(reference) + 1e-6)).clamp(max=1.0)
     expected = {n: torch.einsum("b,b...->...", factors, reference[n]) / B for n in reference}
     assert relative_error({n: step[n][None] for n in reference}, {n: expected[n][None] for n in reference}) < 3e-2
+
+
+class WeightAlsoAdded(nn.Module):
+    """An output layer's weight (1, D) also added to every example's features as a learned offset: one parameter
+    with a linear layer's use (its share as outer-product factors) and a bare parameter's (its share whole)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(D, 1)
+        self.offset = self.head.weight  # registered twice: in head, and here as a parameter of this module
+
+    def forward(self, x):
+        return torch.cat([self.head(torch.tanh(x + self.offset)), x[:, :C - 1]], dim=1)
+
+
+def test_a_weight_used_in_both_forms_is_refused_for_the_norms_only():
+    """Gradients and (B, Y, P) add the two shares on the fast path; the norms' cross term would pair outer-product
+    factors with a whole share, which _CrossTerms does not combine: the norms take vmap, equal to the loop."""
+    torch.manual_seed(16)
+    model = WeightAlsoAdded().double()
+    x = torch.randn(B, D, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
+    check_paths_and_the_loop(model, x, ("fast", "vmap", "fast"))

@@ -115,5 +115,12 @@ class _ParameterRule(_LayerRule):
         each = _RMSNormRule._per_example(layer, g) if layer.get("scale") else self._each(layer, g)
         return [(layer["weight"], each.reshape(batch, -1).square().sum(1), "direct")]
 
+    shares_whole = True
+
+    def outer_factors(self, layer, g, batch):
+        if g is None:
+            return {"share": None, "bias": None}
+        return {"share": _RMSNormRule._per_example(layer, g) if layer.get("scale") else self._each(layer, g), "bias": None}
+
 
 _register(_ParameterRule())

@@ -58,5 +58,10 @@ class _RMSNormRule(_LayerRule):
     def squared_norms(self, layer, g, batch):
         return [(layer["weight"], self._per_example(layer, g).square().sum(1), "direct")]
 
+    shares_whole = True
+
+    def outer_factors(self, layer, g, batch):
+        return {"share": None if g is None else self._per_example(layer, g), "bias": None}
+
 
 _register(_RMSNormRule())

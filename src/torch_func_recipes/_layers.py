@@ -12,9 +12,9 @@ of a module registering it recognises (keyed by the module's type), or the fast 
 parameter used by several such operations (a layer applied twice, a weight tied between an embedding and
 an output layer) gets their shares added up for gradients, Jacobians and the clipped sum (_write_or_add); the
 norms add the cross terms between the uses (_CrossTerms) where every rule involved gives its per-example
-gradient as a sum of outer products (outer_factors: linear layers, GPT-2's Conv1D, embeddings), and refuse a
-second use otherwise. Adding a
-layer kind means adding a module _layer_<kind>.py that defines a _LayerRule subclass, registers one
+gradient as a sum of outer products (outer_factors: linear layers, GPT-2's Conv1D, embeddings) or whole (a
+bias; RMSNorm's weight and a bare parameter, shares_whole), the same way for both uses, and refuse a second
+use otherwise. Adding a layer kind means adding a module _layer_<kind>.py that defines a _LayerRule subclass, registers one
 instance with _register, and is imported at the end of this file. Also copied, without this docstring, into the
 notebook cells tagged `shared-package` by scripts/build_shared.py: edit it here.
 """
@@ -76,13 +76,18 @@ class _LayerRule:
         (has_weighted_sum); a rule that overrides it must always answer."""
         return None
 
+    # Whether outer_factors gives the weight's per-example gradients whole ({"share": (B, ...)}, for a weight of a
+    # few numbers per example: a scale per feature) rather than as factors (u, v)
+    shares_whole = False
+
     def outer_factors(self, layer: dict, g: torch.Tensor | None, batch: int) -> dict | None:
         """Each example's weight gradient as a sum of outer products, sum_t u_t v_t^T (u along the weight's
         dimension 0, v along dimension 1), for the norms' cross terms between two uses of one parameter (a tied
         weight, a layer called twice): {"u": factor, "v": factor, "bias": (B, out) per-example bias gradients or
-        None}, a factor being ("dense", (B, T, size)) or ("ids", (B, T) indices of one-hot rows). With g None,
-        the factors that depend on it are None (the others are known before the backward pass). The default,
-        None: no cross terms for this kind, and the trace refuses a second use of its parameters for the norms."""
+        None}, a factor being ("dense", (B, T, size)) or ("ids", (B, T) indices of one-hot rows). A rule with
+        shares_whole gives {"share": (B, ...) per-example weight gradients, "bias": as above} instead. With g
+        None, what depends on it is None (the rest is known before the backward pass). The default, None: no
+        cross terms for this kind, and the trace refuses a second use of its parameters for the norms."""
         return None
 
     def has_outer_factors(self) -> bool:
@@ -159,7 +164,9 @@ class _CrossTerms:
     `take` once (in any order). At the first of a pair, what can be computed is: the Gram of its factor with
     the other layer's factor that needs no output gradient (its one-hot ids, or its recorded input); that
     Gram and the first layer's other factor are kept, and the pair finishes when the second layer's output
-    gradient arrives. Shared biases: the inner product of the two per-example bias gradients."""
+    gradient arrives. A share given whole (a bias, or a rule with shares_whole: a scale per feature) is kept
+    as it is, and the pair's inner product taken when the other arrives. `mixed` lists the pairs with one use
+    of each form, which this class cannot combine (the caller takes another path)."""
 
     def __init__(self, layers: list[dict], batch: int):
         self.layers, self.batch = layers, batch
@@ -170,7 +177,17 @@ class _CrossTerms:
                 if layer.get(part) is not None:
                     uses.setdefault(layer[part], []).append(k)
         self.pairs = [(name, k, later) for name, ks in uses.items() for i, k in enumerate(ks) for later in ks[i + 1:]]
-        self.bias = {name for name, k, _ in self.pairs if layers[k].get("bias") == name}
+        self.mixed = [pair for pair in self.pairs if self._whole(pair[1], pair[0]) != self._whole(pair[2], pair[0])]
+
+    def _whole(self, k: int, name: str) -> bool:
+        """Whether layer k gives its share of parameter `name` whole (a bias, or a shares_whole rule's weight)."""
+        layer = self.layers[k]
+        return layer.get("bias") == name or _rule_named(layer["kind"]).shares_whole
+
+    def _share(self, k: int, name: str, mine: dict) -> torch.Tensor:
+        """Layer k's per-example share of `name`, given whole, flattened to (B, n)."""
+        share = mine["bias"] if self.layers[k].get("bias") == name else mine["share"]
+        return share.reshape(self.batch, -1)
 
     def take(self, k: int, g: torch.Tensor) -> torch.Tensor | None:
         """Layer k's output gradient arrived: (B,) cross terms (already doubled) of the pairs it completes, or None."""
@@ -182,22 +199,22 @@ class _CrossTerms:
             if mine is None:
                 mine = _rule_named(self.layers[k]["kind"]).outer_factors(self.layers[k], g.detach(), self.batch)
             if pair not in self.kept:  # the first of the pair to arrive
-                self.kept[pair] = self._start(name, mine, second if k == first else first)
+                self.kept[pair] = self._start(k, name, mine, second if k == first else first)
                 continue
-            cross = 2 * self._finish(name, self.kept.pop(pair), mine)
+            cross = 2 * self._finish(k, name, self.kept.pop(pair), mine)
             found = cross if found is None else found + cross
         return found
 
-    def _start(self, name, mine, other):
-        if name in self.bias:
-            return mine["bias"]
+    def _start(self, k, name, mine, other):
+        if self._whole(k, name):
+            return self._share(k, name, mine)
         theirs: dict = _rule_named(self.layers[other]["kind"]).outer_factors(self.layers[other], None, self.batch) or {}
         side = "u" if theirs["u"][1] is not None else "v"  # their factor known without their output gradient
         return side, _gram(mine[side], theirs[side]), mine["v" if side == "u" else "u"]
 
-    def _finish(self, name, kept, mine):
-        if name in self.bias:
-            return (kept * mine["bias"]).sum(1)
+    def _finish(self, k, name, kept, mine):
+        if self._whole(k, name):
+            return (kept * self._share(k, name, mine)).sum(1)
         side, gram, their_other = kept
         other_side = "v" if side == "u" else "u"
         return (gram * _gram(their_other, mine[other_side])).sum((1, 2))

@@ -479,6 +479,10 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
         chunk, done = losses.new_zeros(len(part), dtype=next(iter(trainable.values())).dtype), set()
         kept: dict[int, torch.Tensor] = {}
         cross = _CrossTerms(layers, len(part))  # a parameter two layers use (a tied weight): their inner products
+        if cross.mixed:
+            name, first, second = cross.mixed[0]
+            return None, (f"parameter {name} is used by a {layers[first]['kind']} layer and a {layers[second]['kind']} "
+                          "layer whose shares of its gradient the norms cannot combine")
 
         def take(k, g):
             if clipped is not None:
