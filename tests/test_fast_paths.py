@@ -6,6 +6,7 @@ takes the path named in its case, and its per-sample gradients and norms equal t
 batch of one, plain autograd) in float64. The adversarial cases (item 5) break one assumption each, a lookup
 used twice, a tied table, a mask or keys that mix examples, a projection called twice, a cast weight used
 outside its layer, and must be refused by the trace (another path, still equal to the loop)."""
+import copy
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,6 +17,8 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import torch_func_recipes as tfr  # noqa: E402
+from torch_func_recipes import _trace  # noqa: E402
+from torch_func_recipes._batch import _as_batch  # noqa: E402
 
 # vmap runs scaled_dot_product_attention by its slow fallback on the refused cases, and says so: a note, not a fault
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
@@ -571,29 +574,32 @@ def test_a_tied_table_adds_its_uses_and_their_cross_terms(twice):
 
 class CastsItsWeights(nn.Module):
     """Parameters in float64, arithmetic in float32: the forward pass casts each weight itself (as models that keep
-    a master copy do, and as autocast does for a GPU's bfloat16). `misuse` also adds the cast weight to the output,
-    a use outside its layer."""
+    a master copy do, and as autocast does for a GPU's bfloat16). misuse="outside" also adds the cast weight to the
+    output, a use outside its layer; misuse="twice" applies the first layer twice (its norms' cross term)."""
 
-    def __init__(self, misuse=False):
+    def __init__(self, misuse=None):
         super().__init__()
-        self.first, self.second = nn.Linear(4, 6), nn.Linear(6, C)
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, C)
         self.misuse = misuse
 
     def forward(self, x):
         x = x.float()
         h = torch.tanh(F.linear(x, self.first.weight.float(), self.first.bias.float()))
+        if self.misuse == "twice":
+            h = torch.tanh(F.linear(h, self.first.weight.float(), self.first.bias.float()))
         out = F.linear(h, self.second.weight.float(), self.second.bias.float())
         out = out.mean(1)  # three rows (tokens) per example
-        return out + self.second.weight.float().sum() if self.misuse else out
+        return out + self.second.weight.float().sum() if self.misuse == "outside" else out
 
 
-@pytest.mark.parametrize("misuse", [False, True], ids=["cast", "cast and used outside its layer"])
+@pytest.mark.parametrize("misuse", [None, "twice", "outside"], ids=["cast", "cast and called twice", "cast and used outside its layer"])
 def test_a_weight_cast_to_another_dtype_stands_for_the_parameter(misuse):
     """The trace follows a parameter's copy in another dtype as the parameter (the gradient flows back through the
     cast), and forms each example's products in the parameter's dtype. The loop runs the same float32 forward and
     backward pass and rounds the gradient to float32 on its way back through the cast, where the fast path multiplies
     in float64: they differ by float32 rounding (about 6e-8 relative per operation, a few operations deep), hence
-    rtol 1e-5. A cast copy used outside its layer is refused."""
+    rtol 1e-5. A layer applied twice adds its uses' cross term to the norms; a cast copy used outside its layer is
+    refused."""
     torch.manual_seed(14)
     model = CastsItsWeights(misuse).double()
     x = torch.randn(B, 3, 4, generator=torch.Generator().manual_seed(15), dtype=torch.float64)
@@ -602,7 +608,7 @@ def test_a_weight_cast_to_another_dtype_stands_for_the_parameter(misuse):
     grads, how = tfr.per_sample_grads(model, loss_fn, x, TARGETS, report=True)
     norms, how_norms = tfr.per_sample_grad_norms(model, loss_fn, x, TARGETS, report=True)
     clipped, how_clipped = tfr.clipped_grad_sum(model, loss_fn, x, TARGETS, max_norm=norms_of(reference).median().item(), report=True)
-    expected = "vmap" if misuse else "fast"
+    expected = "vmap" if misuse == "outside" else "fast"
     assert (how.path, how_norms.path, how_clipped.path) == (expected,) * 3, (how, how_norms, how_clipped)
     for name in reference:
         assert grads[name].dtype == torch.float64
@@ -643,6 +649,14 @@ def test_autocast_keeps_the_fast_path_and_its_precision():
         plain = tfr.per_sample_grads(model, loss_fn, targets=TARGETS, path="vmap", input_ids=IDS)
     assert (how.path, how_norms.path, how_step.path) == ("fast",) * 3, (how, how_norms, how_step)
     assert all(g.dtype == torch.float32 for g in grads.values())
+    # the trace keeps each layer's input as the layer ran (bfloat16): the products cast it one layer at a time, so
+    # that no float32 copy of every layer's input is held beside the ones autograd saved
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, layers, reason = _trace._traced_forward(model, _as_batch(None, TARGETS, (), {"input_ids": IDS}),
+                                                   dict(model.named_parameters()), "norms")
+    low = [layer for layer in layers if "dtype" in layer]
+    assert reason is None and len(low) >= 8, reason  # the attention and MLP projections of both blocks, the head
+    assert all(layer["a"].dtype == torch.bfloat16 for layer in low if layer["a"].is_floating_point())
     ours, theirs = relative_error(grads, reference), relative_error(plain, reference)
     assert ours <= 1.25 * theirs and ours < 3e-2, (ours, theirs)
     assert ((norms.double() - norms_of(reference)).abs() / norms_of(reference)).max() < 3e-2
@@ -671,3 +685,18 @@ def test_a_weight_used_in_both_forms_is_refused_for_the_norms_only():
     model = WeightAlsoAdded().double()
     x = torch.randn(B, D, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
     check_paths_and_the_loop(model, x, ("fast", "vmap", "fast"))
+
+
+def test_autocast_with_a_layer_called_twice():
+    """Under bfloat16 autocast, a linear layer called twice: the norms' cross term pairs its two uses, both run in
+    bfloat16 and formed in float32; as close to the float64 loop as bfloat16 allows (8 significant bits: a few
+    roundings of 4e-3 each, so 3e-2)."""
+    torch.manual_seed(18)
+    layer = nn.Linear(D, D)
+    model = nn.Sequential(layer, nn.Tanh(), layer, nn.Flatten(), nn.Linear(T * D, C))
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(19))
+    reference = norms_of(loop_grads(copy.deepcopy(model).double(), F.cross_entropy, x.double(), TARGETS))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        norms, how = tfr.per_sample_grad_norms(model, lambda out, t: F.cross_entropy(out.float(), t), x, TARGETS, report=True)
+    assert how.path == "fast", how
+    assert ((norms.double() - reference).abs() / reference).max() < 3e-2

@@ -143,6 +143,23 @@ def _write_or_add(write: Any, layer: dict, delta: torch.Tensor, dest: dict[str, 
         done.update(names)
 
 
+def _in_dtype(layer: dict) -> dict:
+    """The layer as its products are formed: where it ran in a lower precision than its parameters (autocast;
+    layer["dtype"], set by the trace), a copy of its record with the recorded floating tensors (not its output)
+    cast to the parameters' dtype, made when a consumer needs it and dropped after; else the layer itself."""
+    dtype = layer.get("dtype")
+    if dtype is None:
+        return layer
+    return {key: value.to(dtype) if key != "z" and isinstance(value, torch.Tensor) and value.is_floating_point() else value
+            for key, value in layer.items()}
+
+
+def _delta_in_dtype(layer: dict, delta: torch.Tensor) -> torch.Tensor:
+    """The gradient with respect to a layer's output, in the dtype its products are formed in (_in_dtype)."""
+    dtype = layer.get("dtype")
+    return delta if dtype is None or delta.dtype == dtype else delta.to(dtype)
+
+
 def _gram(x: tuple, y: tuple) -> torch.Tensor:
     """(B, T1, T2): the inner products of every row of factor x with every row of factor y, per example (factors as in
     _LayerRule.outer_factors; a one-hot row picks an entry of the other's row, two one-hot rows match or not)."""
@@ -197,7 +214,7 @@ class _CrossTerms:
             if k not in (first, second):
                 continue
             if mine is None:
-                mine = _rule_named(self.layers[k]["kind"]).outer_factors(self.layers[k], g.detach(), self.batch)
+                mine = _rule_named(self.layers[k]["kind"]).outer_factors(_in_dtype(self.layers[k]), g.detach(), self.batch)
             if pair not in self.kept:  # the first of the pair to arrive
                 self.kept[pair] = self._start(k, name, mine, second if k == first else first)
                 continue
@@ -208,7 +225,7 @@ class _CrossTerms:
     def _start(self, k, name, mine, other):
         if self._whole(k, name):
             return self._share(k, name, mine)
-        theirs: dict = _rule_named(self.layers[other]["kind"]).outer_factors(self.layers[other], None, self.batch) or {}
+        theirs: dict = _rule_named(self.layers[other]["kind"]).outer_factors(_in_dtype(self.layers[other]), None, self.batch) or {}
         side = "u" if theirs["u"][1] is not None else "v"  # their factor known without their output gradient
         return side, _gram(mine[side], theirs[side]), mine["v" if side == "u" else "u"]
 

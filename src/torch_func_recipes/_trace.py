@@ -581,20 +581,11 @@ def _run_trace(model, batch, trainable, need, owners):
 def _in_parameter_dtype(layer, trainable):
     """Autocast runs a layer in a lower precision than its parameters (bfloat16 operands for float32 weights;
     the trace follows the cast copy as the parameter, _BatchTrace.follow_cast). Autograd accumulates a
-    parameter's gradient in the parameter's dtype; so do the per-example products: the layer's recorded
-    tensors are cast to it here, and layer["dtype"] tells the consumers to cast the output gradient too
-    (_delta_in_dtype). A layer that ran in its parameters' dtype is left as it is."""
+    parameter's gradient in the parameter's dtype; so do the per-example products: layer["dtype"] names that
+    dtype, and the consumers cast the layer's recorded tensors and its output gradient to it one layer at a
+    time, as they use them (_layers._in_dtype, _layers._delta_in_dtype), so that no second copy of every
+    layer's input is held. A layer that ran in its parameters' dtype is left as it is."""
     name = layer.get("weight") or layer.get("bias")
     dtype = trainable[name].dtype if name is not None else None
-    if dtype is None or layer["z"].dtype == dtype or not (dtype.is_floating_point and layer["z"].is_floating_point()):
-        return
-    layer["dtype"] = dtype
-    for key, value in layer.items():
-        if key != "z" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
-            layer[key] = value.to(dtype)
-
-
-def _delta_in_dtype(layer, delta):
-    """The gradient with respect to a layer's output, in the dtype its products are formed in (_in_parameter_dtype)."""
-    dtype = layer.get("dtype")
-    return delta if dtype is None or delta.dtype == dtype else delta.to(dtype)
+    if dtype is not None and layer["z"].dtype != dtype and dtype.is_floating_point and layer["z"].is_floating_point():
+        layer["dtype"] = dtype

@@ -11,8 +11,8 @@ import torch.nn as nn
 from torch.func import jacrev, vmap
 
 from ._batch import _as_batch, _check_chunk_size, _check_model, _Inputs, _Unbatched
-from ._layers import _rule_named, _write_or_add
-from ._trace import PathReport, _check_path, _delta_in_dtype, _fast_path_screen, _owner_rules, _traced_forward
+from ._layers import _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
+from ._trace import PathReport, _check_path, _fast_path_screen, _owner_rules, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
@@ -158,7 +158,7 @@ def _fast_jacobian_chunk(forward, trainable, part, out, rows, batch, total, owne
 def _jacobian_products(layer, delta, columns, done=None):
     """One traced layer's rows of the output Jacobian, by its kind's rule (_layers): delta is (Y, B*r, ...),
     columns[name] is (B, Y, *shape); done: as in _write_or_add."""
-    _write_or_add(_rule_named(layer["kind"]).jacobian_rows, layer, _delta_in_dtype(layer, delta), columns, done)
+    _write_or_add(_rule_named(layer["kind"]).jacobian_rows, _in_dtype(layer), _delta_in_dtype(layer, delta), columns, done)
 
 
 def _vmap_jacrev(model, select, trainable, batch, chunk_size, out, total):

@@ -27,15 +27,15 @@ from ._batch import (
     _scalar_loss,
     _Unbatched,
 )
-from ._layers import _CrossTerms, _rule_named, _write_or_add
-from ._trace import PathReport, _check_path, _delta_in_dtype, _fast_path_screen, _losses_of_each, _traced_forward
+from ._layers import _CrossTerms, _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
+from ._trace import PathReport, _check_path, _fast_path_screen, _losses_of_each, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
 def _per_example_products(layer, delta, out, done=None):
     """Writes one traced layer's per-example weight and bias gradients into out[name], by its kind's rule (_layers);
     done: as in _write_or_add."""
-    _write_or_add(_rule_named(layer["kind"]).per_example_grads, layer, _delta_in_dtype(layer, delta.detach()), out, done)
+    _write_or_add(_rule_named(layer["kind"]).per_example_grads, _in_dtype(layer), _delta_in_dtype(layer, delta.detach()), out, done)
 
 
 def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None = None, targets: Any = None, *, unbatched: _Unbatched = (),
@@ -399,7 +399,7 @@ def _layer_squares(layer, g, batch):
     """[(parameter name, (batch,) squared norms of its per-example gradients, "ghost" or "direct")] for one
     traced layer, from its input and the gradient g of the summed loss with respect to its output, by its
     kind's rule (_layers)."""
-    return _rule_named(layer["kind"]).squared_norms(layer, g.detach(), batch)
+    return _rule_named(layer["kind"]).squared_norms(_in_dtype(layer), g.detach(), batch)
 
 
 def _lowest_layers(layers):
@@ -442,7 +442,7 @@ def _clipped_from_outputs(layers, kept, weights, trainable):
         g = _delta_in_dtype(layer, kept[k]) if rule.has_weighted_sum() else kept[k]  # autograd takes the output's dtype
         per_row = weights.to(g.dtype).repeat_interleave(g.shape[0] // len(weights)).view(-1, *[1] * (g.dim() - 1))
         if rule.has_weighted_sum():  # the layer's own formula (the graph was not kept for these)
-            direct = rule.weighted_sum(layer, g * per_row)
+            direct = rule.weighted_sum(_in_dtype(layer), g * per_row)
             if direct is None:
                 raise RuntimeError(f"the {rule.kind} rule defines weighted_sum but gave no answer")
         else:
