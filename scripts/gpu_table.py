@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
                     cell = {"family": name, "B": B, "dtype": str(dtype).replace("torch.", ""), "P": P, "paths": paths,
                             "batch ms": statistics.median(batch_ms), "ratios": med, "peak / BP": peak, "notes": notes}
                 except torch.cuda.OutOfMemoryError as e:
-                    cell = {"family": name, "B": B, "dtype": str(dtype), "P": P, "notes": notes + [f"out of memory: {str(e)[:80]}"]}
+                    cell = {"family": name, "B": B, "dtype": str(dtype).replace("torch.", ""), "P": P, "notes": notes + [f"out of memory: {str(e)[:80]}"]}
                 finally:
                     ways = {}
                     flat_out = flat_src = None
