@@ -8,6 +8,7 @@ once). Before timing, the recipes are checked against plain vmap(grad) on each f
 
     python -m scripts.gpu_table                  # on a CUDA machine; writes gpu_table.json beside it
     python -m scripts.gpu_table --quick          # tiny sizes, any device: checks that the script runs
+    python -m scripts.gpu_table --sizes 16 --tokens 32 --dtypes float32 --rounds 5   # the CPU table of issue 28
 
 Opacus (hooks and ghost clipping) is timed where it is installed and answers.
 """
@@ -127,6 +128,16 @@ def opacus_ways(model, key, select, x, y, notes):
     return ways
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (Linux), its threads as torch uses them, and whether huge pages are asked for."""
+    name = "CPU"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    pages = "huge pages" if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else "no huge pages"
+    return f"{name}, {torch.get_num_threads()} threads, {pages}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -136,6 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", type=lambda v: v.split(","), default=None, help="comma-separated: time only these (and the baselines)")
     parser.add_argument("--profile", action="store_true", help="profile the first family's DP step and stop")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--sizes", type=lambda v: tuple(int(b) for b in v.split(",")), default=None, help="batch sizes, comma-separated")
+    parser.add_argument("--tokens", type=int, default=None, help="sequence length of the text models (default 128)")
+    parser.add_argument("--dtypes", type=lambda v: v.split(","), default=["float32", "bfloat16"], help="float32 and/or bfloat16")
+    parser.add_argument("--families", type=lambda v: v.split(","), default=None, help="comma-separated: only these families")
     args = parser.parse_args(argv)
     for note in ("There is a performance drop", "Full backward hook is firing", "Secure RNG turned off"):  # vmap's
         warnings.filterwarnings("ignore", message=note)  # fallbacks, Opacus's hooks and its seeded noise: notes, not faults
@@ -143,9 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32; bfloat16 is asked for by autocast
     torch.backends.cudnn.allow_tf32 = False
-    sizes = (4, 8) if args.quick else (64, 256, 1024)
-    T = 16 if args.quick else 128
-    hardware = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    sizes = args.sizes or ((4, 8) if args.quick else (64, 256, 1024))
+    T = args.tokens or (16 if args.quick else 128)
+    hardware = torch.cuda.get_device_name() if device.type == "cuda" else _cpu_name()
     print(f"{hardware}, torch {torch.__version__}, B in {sizes}, T = {T}", flush=True)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     record: dict = {"hardware": hardware, "torch": torch.__version__, "checks": {}, "cells": []}
@@ -157,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     built = []
     torch.manual_seed(0)
     for name, build, key, make, select in families(args.quick, T):
+        if args.families and name not in args.families:
+            continue
         model = build().eval().to(device)
         built.append((name, model, key, make, select))
         if args.skip_checks or args.profile:
@@ -176,8 +193,10 @@ def main(argv: list[str] | None = None) -> None:
         norms, rep_n = tfr.per_sample_grad_norms(model, loss, targets=y, report=True, **{key: x})
         clipped, rep_c = tfr.clipped_grad_sum(model, loss, targets=y, max_norm=1e-2, report=True, **{key: x})
         ref_flat = flat(ref)
-        ref_norms = ref_flat.norm(dim=1)
-        ref_clipped = (ref_flat * (1e-2 / ref_norms).clamp(max=1)[:, None]).sum(0)
+        # the reference's norms and clipped sum in float64: torch.linalg.vector_norm on a CPU accumulates a row in
+        # float32 (pytorch#169237), 1e-4 off for GPT-2's 1.7M parameters at T = 32, more than the recipes' error
+        ref_norms = ref_flat.double().norm(dim=1)
+        ref_clipped = (ref_flat.double() * (1e-2 / ref_norms).clamp(max=1)[:, None]).sum(0)
         check = {
             "paths": [rep.path, rep_n.path, rep_c.path],
             "grads": ((flat(got) - ref_flat).norm() / ref_flat.norm()).item(),
@@ -229,8 +248,8 @@ def main(argv: list[str] | None = None) -> None:
                 sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
                 print(prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=60))
         return
-    timer = lambda f: Timer("f()", globals={"f": f}).blocked_autorange(min_run_time=0.05 if args.quick else 0.1).median  # noqa: E731
-    for dtype in (torch.float32, torch.bfloat16):
+    timer = lambda f: Timer("f()", globals={"f": f}, num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=0.05 if args.quick else 0.1).median  # noqa: E731
+    for dtype in [getattr(torch, d) for d in args.dtypes]:
         for B in sizes:
             for name, model, key, make, select in built:
                 if time.perf_counter() - start > args.deadline:

@@ -24,6 +24,7 @@ from ._batch import (
     _Inputs,
     _LossFn,
     _random_modules,
+    _row_squares,
     _scalar_loss,
     _Unbatched,
 )
@@ -212,7 +213,7 @@ def clip_and_noise(per_sample: _Grads, max_norm: float, noise_multiplier: float,
     divisor = batch if expected_batch_size is None else expected_batch_size
     if not divisor > 0:
         raise ValueError(f"expected_batch_size must be positive, got {expected_batch_size}")
-    norms = torch.linalg.vector_norm(torch.stack([g.reshape(batch, -1).norm(dim=1) for g in per_sample.values()]), dim=0)
+    norms = torch.stack([_row_squares(g) for g in per_sample.values()]).sum(0).sqrt()
     scale = _clip_factors(norms, max_norm)
     private = {}
     for name, g in per_sample.items():
@@ -560,7 +561,7 @@ def _squared_norms_by_vmap(model, loss_fn, batch, layers, streamed, chunk_size):
         probes = [torch.zeros((n, *shape), dtype=dtype, device=device) for _, _, shape in layers.values()]
         (rest_grads, output_grads), layer_inputs = per_example(rest, probes, *values)
         if rest_grads:  # one norm per parameter and example, then one sum: a few operations per parameter, no copy
-            squares[rows] += torch.stack([torch.linalg.vector_norm(g.reshape(n, -1), dim=1) for g in rest_grads.values()]).square().sum(0)
+            squares[rows] += torch.stack([_row_squares(g) for g in rest_grads.values()]).sum(0)
         for (module, own, _), a, g in zip(layers.values(), layer_inputs, output_grads):
             a, g = a.reshape(n, -1, a.shape[-1]), g.reshape(n, -1, g.shape[-1])  # (n, T, d_in), (n, T, d_out)
             for name, p in own.items():
@@ -733,7 +734,7 @@ def _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size
         raise ValueError(f"the fast path does not apply: {reason}")
 
     def clip_and_add(total, grads):  # grads: {name: (n, *shape)}, n examples' gradients
-        squares = sum(g.reshape(len(g), -1).square().sum(1) for g in grads.values())
+        squares = torch.stack([_row_squares(g) for g in grads.values()]).sum(0)
         weights = _clip_factors(squares.sqrt(), max_norm)
         return {name: total[name] + torch.tensordot(weights, g, dims=1) for name, g in grads.items()}
 
