@@ -551,9 +551,10 @@ def test_stack_models_keeps_the_stacked_mode_and_refuses_mixed_modes(recipes):
 @pytest.mark.parametrize("name", ["conv1d", "conv2d", "grouped conv2d", "grouped conv1d", "GroupNorm", "buffers, eval mode"])
 @pytest.mark.parametrize("threshold", [0, 10**12])
 def test_both_ways_to_a_convolutions_per_example_weights(name, threshold, monkeypatch):
-    """A convolution's per-example weight gradients come from im2col or from the batch gradient's kernel with the
-    examples as groups, whichever is faster for the layer's size: each way, on every convolution model of the zoo,
-    they equal the loop (the zoo's layers are small, so without the patch only im2col would run)."""
+    """A convolution's per-example weight gradients, and their norms where token pairs would cost more, come from
+    im2col or from the batch gradient's kernel with the examples as groups, whichever is faster for the layer's
+    size: each way, on every convolution model of the zoo, they equal the loop (the zoo's layers are small, so
+    without the patch only im2col would run)."""
     import torch_func_recipes as tfr
     import torch_func_recipes._layer_conv as conv
 
@@ -562,3 +563,6 @@ def test_both_ways_to_a_convolutions_per_example_weights(name, threshold, monkey
     got, report = tfr.per_sample_grads(model, F.cross_entropy, x, TARGETS, report=True)
     expected = loop_per_sample(model, x, TARGETS)
     assert report.path == "fast" and all(close(got[k], expected[k]) for k in expected)
+    norms, report = tfr.per_sample_grad_norms(model, F.cross_entropy, x, TARGETS, report=True)
+    assert report.path == "fast" and close(norms, torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1))
+    assert "0.weight" in report.direct, report  # the first convolution's weight took one of the two direct ways

@@ -114,18 +114,23 @@ class _ConvRule(_LayerRule):
         return found
 
     def squared_norms(self, layer, g, batch):
-        # (B, G, C/G*k, L) and (B, G, O/G, L): per group, a linear layer with the L positions as tokens
-        patches, delta = _grouped(layer, layer["a"].detach(), g)
-        found = []
+        a, found = layer["a"].detach(), []
         if layer["bias"] is not None:
-            found.append((layer["bias"], delta.sum(3).square().sum((1, 2)), "direct"))
-        if layer["weight"] is not None:
-            positions, k, o = delta.shape[3], patches.shape[2], delta.shape[2]
-            if positions * positions * (k + o) <= positions * k * o:
-                pairs = (patches.transpose(2, 3) @ patches) * (delta.transpose(2, 3) @ delta)
-                found.append((layer["weight"], pairs.sum((1, 2, 3)), "ghost"))
-            else:
-                found.append((layer["weight"], (delta @ patches.transpose(2, 3)).square().sum((1, 2, 3)), "direct"))
+            found.append((layer["bias"], g.flatten(2).sum(2).square().sum(1), "direct"))
+        if layer["weight"] is None:
+            return found
+        shape = layer["weight_shape"]
+        positions, k, o = g[0, 0].numel(), shape[1:].numel(), shape[0] // layer["groups"]  # per group: L tokens, k inputs, o outputs
+        if positions * positions * (k + o) <= positions * k * o:  # token pairs cost less than the product
+            # (B, G, C/G*k, L) and (B, G, O/G, L): per group, a linear layer with the L positions as tokens
+            patches, delta = _grouped(layer, a, g)
+            pairs = (patches.transpose(2, 3) @ patches) * (delta.transpose(2, 3) @ delta)
+            found.append((layer["weight"], pairs.sum((1, 2, 3)), "ghost"))
+        elif batch * k * layer["groups"] * positions >= _PATCHES_FOR_THE_KERNEL:  # large patches: no im2col copy
+            found.append((layer["weight"], self._each_weight(layer, a, g).flatten(1).square().sum(1), "direct"))
+        else:
+            patches, delta = _grouped(layer, a, g)
+            found.append((layer["weight"], (delta @ patches.transpose(2, 3)).square().sum((1, 2, 3)), "direct"))
         return found
 
 
