@@ -52,3 +52,16 @@ def test_bfloat16_no_worse_than_vmap_is_checked(tmp_path, monkeypatch):
     monkeypatch.setattr(tfr, "per_sample_grads", rounded_too_much)
     with pytest.raises(AssertionError, match="bf16 grads"):
         run(tmp_path)
+
+
+def test_the_cpu_table_options_narrow_the_run(tmp_path):
+    """--families, --sizes, --dtypes and --methods pick what is checked and timed (one tiny cell is timed here;
+    its figures are not looked at), and the record names the processor."""
+    out = tmp_path / "table.json"
+    gpu_table.main(["--quick", "--families", "Llama", "--sizes", "4", "--dtypes", "float32", "--rounds", "1",
+                    "--methods", "per_sample_grads", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert list(record["checks"]) == ["Llama"]
+    assert [(c["family"], c["B"], c["dtype"]) for c in record["cells"]] == [("Llama", 4, "float32")]
+    assert set(record["cells"][0]["ratios"]) == {"batch", "write B*P", "per_sample_grads"}
+    assert torch.cuda.is_available() or "threads" in record["hardware"]
