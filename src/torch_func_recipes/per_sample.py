@@ -218,8 +218,7 @@ def clip_and_noise(per_sample: _Grads, max_norm: float, noise_multiplier: float,
     private = {}
     for name, g in per_sample.items():
         clipped_sum = torch.einsum("b,b...->...", scale.to(g.dtype), g)
-        noise = _noise_like(clipped_sum, generator)
-        private[name] = (clipped_sum + noise_multiplier * max_norm * noise) / divisor
+        private[name] = _noise_like(clipped_sum, generator).mul_(noise_multiplier * max_norm).add_(clipped_sum).div_(divisor)
     return private
 
 
@@ -229,7 +228,7 @@ def _noise_like(t: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     without a copy from the host (on a GPU, drawing a large model's noise on the CPU costs more than the
     rest of a DP step)."""
     where = t.device if generator is None else generator.device
-    return torch.randn(t.shape, generator=generator, dtype=t.dtype, device=where).to(t.device)
+    return torch.randn(t.shape, generator=generator, dtype=t.dtype, device=where).to(t.device)  # a new tensor: callers write into it
 
 
 def noised_mean(clipped_sum: _Grads, *, max_norm: float, noise_multiplier: float, expected_batch_size: int | float,
@@ -268,9 +267,8 @@ def noised_mean(clipped_sum: _Grads, *, max_norm: float, noise_multiplier: float
     if isinstance(expected_batch_size, bool) or not expected_batch_size > 0:
         raise ValueError(f"the batch is empty or expected_batch_size is not positive ({expected_batch_size})")
     private = {}
-    for name, total in clipped_sum.items():
-        noise = _noise_like(total, generator)
-        private[name] = (total + noise_multiplier * max_norm * noise) / expected_batch_size
+    for name, total in clipped_sum.items():  # (total + sigma C noise) / B, in the noise's own buffer: no other copy
+        private[name] = _noise_like(total, generator).mul_(noise_multiplier * max_norm).add_(total).div_(expected_batch_size)
     return private
 
 
