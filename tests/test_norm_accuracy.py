@@ -6,7 +6,8 @@ measured on the 2-core CI machine); torch.sum's cascade summation is off by abou
 DP step are max_norm / norm, so that error goes straight into the step. The package sums squared norms of
 4,096-entry blocks (_batch._row_squares). Each check here compares with float64 arithmetic on the same
 float32 numbers, at 1e-6: sixteen float32 roundings (6e-8 each), where vector_norm's error is 20 to 100
-times larger at these sizes.
+times larger at these sizes: with vector_norm in place of _row_squares at any of the three uses, these tests
+fail under torch 2.13. They do not assert the bug itself, so a release that fixes it still passes.
 """
 import torch
 import torch.nn as nn
@@ -26,13 +27,12 @@ def relative(a, b):
     return ((a.double() - b).abs() / b.abs()).max().item()
 
 
-def test_row_squares_match_float64_and_vector_norm_does_not():
+def test_row_squares_match_float64():
     x = rows()
     exact = x.double().square().sum(1)
     assert relative(_row_squares(x), exact) < 1e-6
     assert relative(_row_squares(x[:, :4097]), x[:, :4097].double().square().sum(1)) < 1e-6  # a partial block
     assert relative(_row_squares(x[:, :100]), x[:, :100].double().square().sum(1)) < 1e-6  # no whole block
-    assert relative(torch.linalg.vector_norm(x, dim=1).square(), exact) > 2e-5  # what this test guards against
 
 
 def test_clip_and_noise_clips_by_accurate_norms():

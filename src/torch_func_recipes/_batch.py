@@ -236,6 +236,9 @@ def _check_model(model: nn.Module, *, deterministic: bool = False) -> dict[str, 
     return trainable
 
 
+_NORM_BLOCK = 4096  # entries per block of _row_squares
+
+
 def _row_squares(g: torch.Tensor) -> torch.Tensor:
     """Each example's sum of squares, (n, ...) -> (n,), as accurate in float32 on a CPU as on a GPU.
 
@@ -250,9 +253,6 @@ def _row_squares(g: torch.Tensor) -> torch.Tensor:
     if whole:
         total = total + torch.linalg.vector_norm(rows[:, :whole].reshape(n, whole // _NORM_BLOCK, _NORM_BLOCK), dim=2).square().sum(1)
     return total
-
-
-_NORM_BLOCK = 4096
 
 
 def _clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
