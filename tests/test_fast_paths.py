@@ -169,6 +169,37 @@ def test_fast_path_or_refusal_and_the_loop(case):
     check_clipped_sum(lambda max_norm: tfr.clipped_grad_sum(model, loss_fn, IDS, TARGETS, max_norm=max_norm), reference)
 
 
+def test_the_dp_step_forms_small_layers_per_example_gradients_once(monkeypatch):
+    """The book-kept DP step keeps each layer's output gradient for the clipped sum, except where the layer's
+    per-example gradients take no more memory: the LayerNorm (2 x 8 numbers per example against its 6 x 8 output
+    gradient) and the position table every example shares (6 x 8 against 6 x 8) get them formed once, for both the
+    norms and the clipped sum; the larger layers (the attention projection, 8 x 24 against 6 x 24; the token table, 11
+    rows; the head, 8 x 3 against 1 x 3) keep their output gradient and take their own formulas. The sum still equals
+    the loop, and a weighting left out of the kept per-example gradients fails that check (below)."""
+    from collections import Counter
+
+    from torch_func_recipes import _layers
+
+    calls: Counter = Counter()
+    for kind in ("layer_norm", "linear", "embedding"):
+        rule = _layers._rule_named(kind)
+        for method in ("squared_norms", "weighted_sum", "per_example_grads"):
+            def counted(*args, _f=getattr(rule, method), _key=(kind, method), **kwargs):
+                calls[_key] += 1
+                return _f(*args, **kwargs)
+            monkeypatch.setattr(rule, method, counted)
+    model = build(CASES["shared positions, SDPA, padding mask"][0])
+    reference = loop_grads(model, F.cross_entropy, IDS, TARGETS)
+    check_clipped_sum(lambda max_norm: tfr.clipped_grad_sum(model, F.cross_entropy, IDS, TARGETS, max_norm=max_norm), reference)
+    assert dict(calls) == {("layer_norm", "per_example_grads"): 1, ("embedding", "per_example_grads"): 1,
+                           ("embedding", "squared_norms"): 1, ("embedding", "weighted_sum"): 1,
+                           ("linear", "squared_norms"): 2, ("linear", "weighted_sum"): 2}, dict(calls)
+    unweighted = lambda weights, e, dims: e.sum(0)  # noqa: E731 (every example's share added unclipped)
+    monkeypatch.setattr(torch, "tensordot", unweighted)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        check_clipped_sum(lambda max_norm: tfr.clipped_grad_sum(model, F.cross_entropy, IDS, TARGETS, max_norm=max_norm), reference)
+
+
 def test_the_trace_names_what_stops_it():
     reasons = {case: tfr.per_sample_grads(build(CASES[case][0]), F.cross_entropy, IDS, TARGETS, report=True)[1].reason
                for case in ("a position lookup used twice", "a position lookup scaled before the addition",

@@ -7,6 +7,7 @@ gradients) and clipped_noisy_gradient (the DP-SGD step from those norms).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, cast
 
 import torch
@@ -421,18 +422,43 @@ def _lowest_layers(layers):
     return lowest
 
 
-def _clipped_from_outputs(layers, kept, weights, trainable):
+def _small_shares(layer, g, trainable, batch):
+    """The names of the layer's own parameters where the DP step keeps their per-example gradients instead of the
+    layer's output gradient g: where they take no more memory than g (a normalisation layer's scale and shift, a
+    convolution with few weights and many positions), so that forming them once serves both the norms and the
+    clipped sum. None elsewhere. Forming them then costs no more than the norms' other ways: a product over the
+    positions whose result is no larger than its input."""
+    own = [name for name in (layer["weight"], layer["bias"]) if name is not None]
+    if not own or not _rule_named(layer["kind"]).supports("grads"):
+        return None
+    return own if batch * sum(trainable[name].numel() for name in own) <= g.numel() else None
+
+
+def _clipped_from_outputs(layers, kept, shares, weights, trainable):
     """[sum_i w_i g_i for each trainable parameter], from the traced layers alone: each layer's output gradient
     (kept: {layer index: gradient of the summed losses at its output}) weighted by its example's w_i, pulled back
     to that layer's own parameters only: by the rule's own formula (weighted_sum: a linear layer's g^T a, one
     matrix product), or else by autograd, which walks only the layer's own operation where the parameter has that
-    one use (its input's gradient is not asked for). A parameter several layers use gets their shares added."""
+    one use (its input's gradient is not asked for); or, for a layer whose per-example gradients were kept
+    (shares: {layer index: {name: (n, *shape)}}, _small_shares), their sum weighted by w. A parameter several
+    layers use gets their shares added."""
     found: dict[str, torch.Tensor | None] = {}
     uses: dict[str, int] = {}
+
+    def add(direct):  # a parameter several layers use (a tied weight): their shares add up
+        for name, value in direct.items():
+            before = found.get(name)
+            found[name] = value if before is None else before if value is None else before + value
+
     for layer in layers:
         for name in (layer["weight"], layer["bias"]):
             if name is not None:
                 uses[name] = uses.get(name, 0) + 1
+    for each in shares.values():
+        add({name: torch.tensordot(weights.to(e.dtype), e, dims=1) for name, e in each.items()})
+    # a kept gradient whose memory no other kept gradient shares (autograd hands one tensor to both inputs of an
+    # addition) is reweighted in place: it is not used again, and a fresh copy per layer costs page faults
+    memory = Counter(g.untyped_storage().data_ptr() for g in kept.values())
     for k, layer in enumerate(layers):
         own = [name for name in (layer["weight"], layer["bias"]) if name is not None]
         if not own or k not in kept:
@@ -441,7 +467,8 @@ def _clipped_from_outputs(layers, kept, weights, trainable):
         g = _delta_in_dtype(layer, kept[k]) if rule.has_weighted_sum() else kept[k]  # autograd takes the output's dtype
         per_row = weights.to(g.dtype).repeat_interleave(g.shape[0] // len(weights)).view(-1, *[1] * (g.dim() - 1))
         if rule.has_weighted_sum():  # the layer's own formula (the graph was not kept for these)
-            direct = rule.weighted_sum(_in_dtype(layer), g * per_row)
+            alone = g is not kept[k] or memory[g.untyped_storage().data_ptr()] == 1 and g.is_contiguous()
+            direct = rule.weighted_sum(_in_dtype(layer), g.mul_(per_row) if alone else g * per_row)
             if direct is None:
                 raise RuntimeError(f"the {rule.kind} rule defines weighted_sum but gave no answer")
         else:
@@ -450,9 +477,7 @@ def _clipped_from_outputs(layers, kept, weights, trainable):
             got = torch.autograd.grad(layer["z"], [trainable[name] for name in own], g * per_row, retain_graph=True,
                                       allow_unused=True)
             direct = dict(zip(own, got))
-        for name, value in direct.items():  # a parameter several layers use (a tied weight): their shares add up
-            before = found.get(name)
-            found[name] = value if before is None else before if value is None else before + value
+        add(direct)
     return [found.get(name) for name in trainable]
 
 
@@ -477,6 +502,7 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
         total = losses.sum()
         chunk, done = losses.new_zeros(len(part), dtype=next(iter(trainable.values())).dtype), set()
         kept: dict[int, torch.Tensor] = {}
+        shares: dict[int, dict[str, torch.Tensor]] = {}
         cross = _CrossTerms(layers, len(part))  # a parameter two layers use (a tied weight): their inner products
         if cross.mixed:
             name, first, second = cross.mixed[0]
@@ -484,12 +510,22 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
                           "layer whose shares of its gradient the norms cannot combine")
 
         def take(k, g):
-            if clipped is not None:
-                kept[k] = g.detach()  # noqa: F821 (as below); in the output's dtype, cast where used
-            g = _delta_in_dtype(layers[k], g)  # noqa: F821 (as below)
-            for name, s, kind in _layer_squares(layers[k], g, len(part)):  # noqa: F821 (ruff: `del layers` below; take runs before it)
-                chunk.add_(s)
-                how[name] = kind
+            layer = layers[k]  # noqa: F821 (ruff: `del layers` below; take runs before it)
+            small = None if clipped is None else _small_shares(layer, g, trainable, len(part))
+            if clipped is not None and small is None:
+                kept[k] = g.detach()  # noqa: F821 (as above); in the output's dtype, cast where used
+            g = _delta_in_dtype(layer, g)
+            if small is not None:  # the per-example gradients themselves, for the norms and the clipped sum
+                each = {name: g.new_empty((len(part), *trainable[name].shape), dtype=trainable[name].dtype) for name in small}
+                _rule_named(layer["kind"]).per_example_grads(_in_dtype(layer), g.detach(), each)
+                shares[k] = each  # noqa: F821 (as above)
+                for name, e in each.items():
+                    chunk.add_(_row_squares(e))
+                    how[name] = "direct"
+            else:
+                for name, s, kind in _layer_squares(layer, g, len(part)):
+                    chunk.add_(s)
+                    how[name] = kind
             if cross.pairs:
                 between = cross.take(k, g)
                 if between is not None:
@@ -513,9 +549,9 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
             take(k, torch.zeros_like(layers[k]["z"]))
         squares.append(chunk)
         if clipped is not None and total.requires_grad:  # book-keeping: each layer's output gradient, reweighted
-            grads = _clipped_from_outputs(layers, kept, _clip_factors(chunk.clamp(min=0).sqrt(), max_norm), trainable)
+            grads = _clipped_from_outputs(layers, kept, shares, _clip_factors(chunk.clamp(min=0).sqrt(), max_norm), trainable)
             clipped = [g if c is None else (c if g is None else c + g) for c, g in zip(clipped, grads)]
-        del output, layers, deltas, kept, losses, total
+        del output, layers, deltas, kept, shares, losses, total
     result = None if clipped is None else {name: torch.zeros_like(p) if g is None else g
                                            for (name, p), g in zip(trainable.items(), clipped)}
     return (torch.cat(squares), sorted(n for n, k in how.items() if k == "ghost"),
