@@ -489,7 +489,9 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
     al. (2023): each layer's output gradient is kept (as large as its output), and once the norms are known,
     sum_i min(1, max_norm / n_i) g_i comes from each layer's own parameters alone, the gradient of its output
     weighted row by row by the clip factors: no second backward pass through the model, no per-example
-    gradient, and the same forward pass (so the same dropout masks)."""
+    gradient larger than its layer's output gradient (a layer whose per-example gradients are no larger, a
+    normalisation's scale and shift, keeps those instead: _small_shares), and the same forward pass (so the
+    same dropout masks)."""
     squares, how = [], {}
     clipped: list[torch.Tensor | None] | None = None if max_norm is None else [None] * len(trainable)
     step = chunk_size or len(batch)
@@ -683,10 +685,12 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
     at most ``max_norm``. Where a trace shows it exact (``"fast"``): per chunk, one batched forward pass and
     one backward pass to the layers' outputs, which gives the norms; then, by book-keeping (Bu et al., 2023),
     each layer's output gradient, weighted row by row by its example's ``min(1, max_norm / n_i)``, is pulled
-    back to that layer's own parameters only: no ``(B, *shape)`` tensor, and no second pass through the model;
-    memory: the layers' output gradients, as large as their outputs. Elsewhere (``"vmap"``, ``"unroll"``, else ``"loop"``, one example at a
-    time) each chunk's per-example gradients are clipped and summed: memory ``chunk_size`` examples'
-    gradients, the whole batch's when ``chunk_size`` is None. With ``norms`` given, one backward pass of the
+    back to that layer's own parameters only, with no second pass through the model (a layer whose
+    per-example gradients take no more memory than its output gradient, a normalisation's scale and shift,
+    keeps those instead, from the norms, and weights them); memory: the layers' output gradients, as large
+    as their outputs, and no ``(B, *shape)`` tensor larger than its layer's output gradient. Elsewhere
+    (``"vmap"``, ``"unroll"``, else ``"loop"``, one example at a time) each chunk's per-example gradients are
+    clipped and summed: memory ``chunk_size`` examples' gradients, the whole batch's when ``chunk_size`` is None. With ``norms`` given, one backward pass of the
     reweighted loss on a new forward pass (``"vmap"`` and ``"loop"`` as above, without chunks): pass
     ``norms`` only for a model without randomness, whose forward passes agree.
 
