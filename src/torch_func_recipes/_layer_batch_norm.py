@@ -22,11 +22,11 @@ def _by_example(t, batch):
     return t.reshape(batch, -1, t.shape[1], *t.shape[2:]).transpose(1, 2).reshape(batch, t.shape[1], -1)
 
 
-def _normalised(layer, batch):
-    """The input normalised with the running statistics, (B, C, positions)."""
+def _centred(layer, batch):
+    """The input minus the running mean, (B, C, positions), and the scale that normalises it, (C,)."""
     a = layer["a"].detach()
     shape = (1, -1) + (1,) * (a.dim() - 2)
-    return _by_example((a - layer["mean"].view(shape)) * torch.rsqrt(layer["var"].view(shape) + layer["eps"]), batch)
+    return _by_example(a - layer["mean"].view(shape), batch), torch.rsqrt(layer["var"] + layer["eps"])
 
 
 class _BatchNormRule(_LayerRule):
@@ -52,12 +52,22 @@ class _BatchNormRule(_LayerRule):
         return trace.r_of(x)
 
     def _shares(self, layer, g, batch):
-        """(weight, bias) gradients of each example, (B, C) each, from the output gradient g (B*r, C, ...)."""
+        """(weight, bias) gradients of each example, (B, C) each, from the output gradient g (B*r, C, ...): the
+        weight's is each channel's sum over positions of g times the normalised input, an inner product per
+        example and channel (einsum: a batched matrix product, with no temporary as large as g), scaled after."""
         g = _by_example(g, batch)
-        return (g * self._normalised(layer, batch)).sum(2), g.sum(2)
+        x, scale = self._centred(layer, batch)
+        weight = torch.einsum("bcp,bcp->bc", g, x)
+        return weight if scale is None else weight * scale, g.sum(2)
+
+    def _centred(self, layer, batch):
+        """The layer's input, centred, (B, C, positions), and the (C,) scale that normalises it (None: none)."""
+        return _centred(layer, batch)
 
     def _normalised(self, layer, batch):
-        return _normalised(layer, batch)
+        """The normalised input, (B, C, positions)."""
+        x, scale = self._centred(layer, batch)
+        return x if scale is None else x * scale[:, None]
 
     def per_example_grads(self, layer, delta, out):
         weight, bias = self._shares(layer, delta, layer["a"].shape[0] // layer["r"])

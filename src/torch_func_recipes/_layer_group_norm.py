@@ -33,8 +33,8 @@ class _GroupNormRule(_BatchNormRule):
                                  groups=values["group"], eps=values["eps"], versions=(x._version, result[0]._version)))
         return trace.r_of(x)
 
-    def _normalised(self, layer, batch):
-        return _by_example(F.group_norm(layer["a"].detach(), layer["groups"], eps=layer["eps"]), batch)
+    def _centred(self, layer, batch):  # each example's groups normalised with their own statistics
+        return _by_example(F.group_norm(layer["a"].detach(), layer["groups"], eps=layer["eps"]), batch), None
 
 
 _register(_GroupNormRule())
