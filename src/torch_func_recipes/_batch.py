@@ -87,12 +87,15 @@ class _Batch:
                  batched_kwargs: dict[str, bool], size: int):
         self.args, self.kwargs, self.targets, self.size = args, kwargs, targets, size
         self.batched_args, self.batched_kwargs = batched_args, batched_kwargs
+        self._flat: tuple[list, Any, list[bool]] | None = None  # _leaves, worked out once (a batch never changes)
 
     def __len__(self) -> int:
         return self.size
 
     def _leaves(self) -> tuple[list, Any, list[bool]]:
         """Every leaf of (args, kwargs, targets), their structure, and whether each carries examples."""
+        if self._flat is not None:
+            return self._flat
         leaves, spec = tree_flatten((self.args, self.kwargs, self.targets))
         batched = []
         for k, value in enumerate(self.args):
@@ -101,7 +104,8 @@ class _Batch:
             batched += [self.batched_kwargs[key] and isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0]]
         batched += [isinstance(leaf, torch.Tensor) for leaf in tree_flatten(self.targets)[0]]
         assert len(batched) == len(leaves)
-        return leaves, spec, batched
+        self._flat = leaves, spec, batched
+        return self._flat
 
     def _rebuild(self, leaves: list) -> "_Batch":
         """A batch of the same structure holding `leaves` (one per leaf of _leaves), its size read from them."""
