@@ -357,6 +357,27 @@ def test_normalisation_layers(case):
             tfr.per_sample_grads(model.train(), F.cross_entropy, images, TARGETS)
 
 
+DEPTHWISE = {  # one input channel per group: on a CPU their per-example weights go by a forward convolution
+    "2-D, 7x7, padding 3": (2, dict(kernel_size=7, padding=3), 1),
+    "2-D, stride 2, dilation 2, 2 outputs per channel": (2, dict(kernel_size=3, stride=2, dilation=2, padding=1), 2),
+    "2-D, stride 3 leaving a remainder": (2, dict(kernel_size=2, stride=3), 1),
+    "1-D, stride 2, padding 2, 3 outputs per channel": (1, dict(kernel_size=3, stride=2, padding=2), 3),
+}
+
+
+@pytest.mark.parametrize("case", DEPTHWISE)
+def test_depthwise_convolutions(case):
+    """Depthwise convolutions (groups = input channels, any channel multiplier, strides, dilation, padding, 1-D
+    and 2-D): per-example gradients, norms, (B, Y, P) and the clipped sum equal the loop in float64."""
+    dims, options, multiplier = DEPTHWISE[case]
+    torch.manual_seed(21)
+    conv = (nn.Conv2d if dims == 2 else nn.Conv1d)(3, 3 * multiplier, groups=3, **options)
+    inputs = torch.randn(B, 3, *[9] * dims, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
+    width = conv(inputs[:1].float()).numel()
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(width, C)).double().eval()
+    check_paths_and_the_loop(model, inputs, "fast")
+
+
 class GemmaStyleRMSNorm(nn.Module):
     """Named like an RMSNorm but scaling by 1 + w: the weight's use is an addition first, which the trace must
     refuse rather than trust the name."""
