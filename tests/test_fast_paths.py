@@ -357,7 +357,7 @@ def test_normalisation_layers(case):
             tfr.per_sample_grads(model.train(), F.cross_entropy, images, TARGETS)
 
 
-DEPTHWISE = {  # one input channel per group: on a CPU their per-example weights go by a forward convolution
+DEPTHWISE = {  # one input channel per group: on a CPU, with large patches, per-example weights by a forward convolution
     "2-D, 7x7, padding 3": (2, dict(kernel_size=7, padding=3), 1),
     "2-D, stride 2, dilation 2, 2 outputs per channel": (2, dict(kernel_size=3, stride=2, dilation=2, padding=1), 2),
     "2-D, stride 3 leaving a remainder": (2, dict(kernel_size=2, stride=3), 1),
@@ -366,9 +366,15 @@ DEPTHWISE = {  # one input channel per group: on a CPU their per-example weights
 
 
 @pytest.mark.parametrize("case", DEPTHWISE)
-def test_depthwise_convolutions(case):
+@pytest.mark.parametrize("threshold", [0, 10**12], ids=["kernel", "im2col"])
+def test_depthwise_convolutions(case, threshold, monkeypatch):
     """Depthwise convolutions (groups = input channels, any channel multiplier, strides, dilation, padding, 1-D
-    and 2-D): per-example gradients, norms, (B, Y, P) and the clipped sum equal the loop in float64."""
+    and 2-D): per-example gradients, norms, (B, Y, P) and the clipped sum equal the loop in float64, by im2col and
+    by the way large patches take (on a CPU a forward convolution with the output gradient as the kernel; these
+    layers are small, so the threshold is patched to make both run)."""
+    import torch_func_recipes._layer_conv as conv
+
+    monkeypatch.setattr(conv, "_PATCHES_FOR_THE_KERNEL", threshold)
     dims, options, multiplier = DEPTHWISE[case]
     torch.manual_seed(21)
     conv = (nn.Conv2d if dims == 2 else nn.Conv1d)(3, 3 * multiplier, groups=3, **options)

@@ -55,17 +55,19 @@ _PATCHES_FOR_THE_KERNEL = 1_000_000
 
 
 def _depthwise_on_cpu(layer, a):
-    """Whether a layer's per-example weight gradients go by a forward convolution with the output gradient as the
-    kernel (_ConvRule._each_weight): one input channel per group (depthwise, any channel multiplier), on a CPU,
-    where it measured 5-10x faster than the batch gradient's kernel with the examples as groups (ConvNeXt's 7x7
-    layers, B = 16: 0.12-0.14 against 1.2-1.4 ms) and than im2col. Not measured on a GPU, which keeps the kernel."""
+    """Whether _ConvRule._each_weight takes a forward convolution with the output gradient as the kernel instead of
+    the batch gradient's kernel: one input channel per group (depthwise, any channel multiplier, or a single input
+    channel), on a CPU, where it measured 2-10x faster (ConvNeXt's depthwise 7x7 layers at B = 16: 0.12-0.14
+    against 1.2-1.4 ms; the seed CNN's first layer at B = 256: 2.4 against 4.4 ms). Below _PATCHES_FOR_THE_KERNEL
+    im2col stays (the seed CNN's first layer at B = 64: 0.42 ms, against 0.73 by the forward convolution). Not
+    measured on a GPU, which keeps the kernel."""
     return layer["weight_shape"][1] == 1 and a.device.type == "cpu"
 
 
 def _by_kernel(layer, a, positions):
-    """Whether the direct per-example weight gradients go by _ConvRule._each_weight rather than by im2col."""
-    k = layer["weight_shape"][1:].numel()
-    return _depthwise_on_cpu(layer, a) or a.shape[0] * k * layer["groups"] * positions >= _PATCHES_FOR_THE_KERNEL
+    """Whether the direct per-example weight gradients go by _ConvRule._each_weight (large patches) rather than by
+    im2col."""
+    return a.shape[0] * layer["weight_shape"][1:].numel() * layer["groups"] * positions >= _PATCHES_FOR_THE_KERNEL
 
 
 class _ConvRule(_LayerRule):
@@ -153,7 +155,7 @@ class _ConvRule(_LayerRule):
             patches, delta = _grouped(layer, a, g)
             pairs = (patches.transpose(2, 3) @ patches) * (delta.transpose(2, 3) @ delta)
             found.append((layer["weight"], pairs.sum((1, 2, 3)), "ghost"))
-        elif _by_kernel(layer, a, positions):  # large patches, or a depthwise layer on a CPU: no im2col copy
+        elif _by_kernel(layer, a, positions):  # large patches: no im2col copy
             found.append((layer["weight"], self._each_weight(layer, a, g).flatten(1).square().sum(1), "direct"))
         else:
             patches, delta = _grouped(layer, a, g)
