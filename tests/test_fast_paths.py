@@ -372,15 +372,15 @@ def test_depthwise_convolutions(case, threshold, monkeypatch):
     and 2-D): per-example gradients, norms, (B, Y, P) and the clipped sum equal the loop in float64, by im2col and
     by the way large patches take (on a CPU a forward convolution with the output gradient as the kernel; these
     layers are small, so the threshold is patched to make both run)."""
-    import torch_func_recipes._layer_conv as conv
+    import torch_func_recipes._layer_conv as conv_rule
 
-    monkeypatch.setattr(conv, "_PATCHES_FOR_THE_KERNEL", threshold)
+    monkeypatch.setattr(conv_rule, "_PATCHES_FOR_THE_KERNEL", threshold)
     dims, options, multiplier = DEPTHWISE[case]
     torch.manual_seed(21)
-    conv = (nn.Conv2d if dims == 2 else nn.Conv1d)(3, 3 * multiplier, groups=3, **options)
+    layer = (nn.Conv2d if dims == 2 else nn.Conv1d)(3, 3 * multiplier, groups=3, **options)
     inputs = torch.randn(B, 3, *[9] * dims, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
-    width = conv(inputs[:1].float()).numel()
-    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(width, C)).double().eval()
+    width = layer(inputs[:1].float()).numel()
+    model = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.Linear(width, C)).double().eval()
     check_paths_and_the_loop(model, inputs, "fast")
 
 

@@ -552,9 +552,10 @@ def test_stack_models_keeps_the_stacked_mode_and_refuses_mixed_modes(recipes):
 @pytest.mark.parametrize("threshold", [0, 10**12])
 def test_both_ways_to_a_convolutions_per_example_weights(name, threshold, monkeypatch):
     """A convolution's per-example weight gradients, and their norms where token pairs would cost more, come from
-    im2col or from the batch gradient's kernel with the examples as groups, whichever is faster for the layer's
-    size: each way, on every convolution model of the zoo, they equal the loop (the zoo's layers are small, so
-    without the patch only im2col would run)."""
+    im2col or, for large patches, from the batch gradient's kernel with the examples as groups (on a CPU, a
+    depthwise layer's from a forward convolution), whichever is faster for the layer's size: each way, on every
+    convolution model of the zoo, they equal the loop (the zoo's layers are small, so without the patch only
+    im2col would run)."""
     import torch_func_recipes as tfr
     import torch_func_recipes._layer_conv as conv
 

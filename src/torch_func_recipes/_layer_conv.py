@@ -6,9 +6,9 @@ convolution (depthwise included) is one such linear layer per group: group k's o
 only group k's input channels, whose entries are one contiguous block of each patch. Where the patches are
 large, each example's weight gradient comes without im2col: by the batch gradient's own kernel with the
 examples as groups, or, for a depthwise layer on a CPU, by a forward convolution of the input with the output
-gradient as the kernel. A convolution whose parameters are all frozen passes through with one row per example. Registered in _layers; also
-copied, without this docstring, into the notebook cells tagged `shared-package` by
-scripts/build_shared.py: edit it here.
+gradient as the kernel. A convolution whose parameters are all frozen passes through with one row per
+example. Registered in _layers; also copied, without this docstring, into the notebook cells tagged
+`shared-package` by scripts/build_shared.py: edit it here.
 """
 
 from __future__ import annotations

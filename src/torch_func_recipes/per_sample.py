@@ -519,7 +519,7 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
             g = _delta_in_dtype(layer, g)
             if small is not None:  # the per-example gradients themselves, for the norms and the clipped sum
                 each = {name: g.new_empty((len(part), *trainable[name].shape), dtype=trainable[name].dtype) for name in small}
-                _rule_named(layer["kind"]).per_example_grads(_in_dtype(layer), g.detach(), each)
+                _per_example_products(layer, g, each)
                 shares[k] = each  # noqa: F821 (as above)
                 for name, e in each.items():
                     chunk.add_(_row_squares(e))
@@ -690,9 +690,10 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
     keeps those instead, from the norms, and weights them); memory: the layers' output gradients, as large
     as their outputs, and no ``(B, *shape)`` tensor larger than its layer's output gradient. Elsewhere
     (``"vmap"``, ``"unroll"``, else ``"loop"``, one example at a time) each chunk's per-example gradients are
-    clipped and summed: memory ``chunk_size`` examples' gradients, the whole batch's when ``chunk_size`` is None. With ``norms`` given, one backward pass of the
-    reweighted loss on a new forward pass (``"vmap"`` and ``"loop"`` as above, without chunks): pass
-    ``norms`` only for a model without randomness, whose forward passes agree.
+    clipped and summed: memory ``chunk_size`` examples' gradients, the whole batch's when ``chunk_size`` is None.
+    With ``norms`` given, one backward pass of the reweighted loss on a new forward pass (``"vmap"`` and
+    ``"loop"`` as above, without chunks): pass ``norms`` only for a model without randomness, whose forward
+    passes agree.
 
     Args:
         model, loss_fn, inputs, targets, unbatched, chunk_size, path, keyword_inputs: as in :func:`per_sample_grad_norms`.
