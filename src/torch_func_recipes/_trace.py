@@ -505,20 +505,29 @@ def _owner_rules(model: nn.Module, trainable: dict[str, nn.Parameter], need: str
     return found
 
 
-def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need: str = "grads") -> str | None:
-    """Reasons, known before running anything, why the fast path cannot apply (None if it may).
-    need: what the caller asks of the layer rules ("grads", "jacobian" or "norms")."""
-    owners = {id(p): module for module in model.modules() for p in module._parameters.values() if p is not None}
-    for name, rules in _owner_rules(model, trainable, need).items():
+def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need: str = "grads",
+                      path: str = "auto") -> tuple[str | None, dict[str, tuple[_LayerRule, ...] | None] | None]:
+    """Whether the fast path may apply, as far as is known before running anything: (None, owners) if it may,
+    owners being _owner_rules(model, trainable, need), which the trace then checks every use against (so they
+    are worked out once per call); otherwise (the reason, None): another path was asked for, a parameter belongs to
+    a module no layer rule covers, or a backward hook is registered. need: what the caller asks of the layer rules
+    ("grads", "jacobian" or "norms")."""
+    if path in ("vmap", "unroll", "loop"):
+        return f"path={path!r} was asked for", None
+    owners = _owner_rules(model, trainable, need)
+    for name, rules in owners.items():
         if rules is None:
-            kinds = ", ".join(r.kind for r in _rules_for(need))
-            return f"parameter {name} belongs to {type(owners[id(trainable[name])]).__name__}, not to a layer the fast path covers ({kinds})"
+            rules_ = _rules_for(need)  # the module that registers it without a rule (of a tied weight's, the one not covered)
+            module = next(m for m in model.modules() for short, p in m._parameters.items()
+                          if p is trainable[name] and _rule_of(m, rules_, short) is None)
+            kinds = ", ".join(r.kind for r in rules_)
+            return f"parameter {name} belongs to {type(module).__name__}, not to a layer the fast path covers ({kinds})", None
     for name, module in model.named_modules():
         if module._backward_hooks or module._backward_pre_hooks:
-            return f"{name or 'the model'} has a backward hook"
+            return f"{name or 'the model'} has a backward hook", None
     if nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks:
-        return "a global module backward hook is registered"
-    return None
+        return "a global module backward hook is registered", None
+    return None, owners
 
 
 # Traces that failed, remembered per model: {model: {call signature: reason}}. A failed trace is a whole

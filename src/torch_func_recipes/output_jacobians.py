@@ -12,7 +12,7 @@ from torch.func import jacrev, vmap
 
 from ._batch import _as_batch, _check_chunk_size, _check_model, _Inputs, _Unbatched
 from ._layers import _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
-from ._trace import PathReport, _check_path, _fast_path_screen, _owner_rules, _traced_forward
+from ._trace import PathReport, _check_path, _fast_path_screen, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
@@ -78,13 +78,12 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
             result = _result_buffer(out, 0, output.shape[1], total, output, trainable)
             return (result, PathReport("none", "the batch is empty")) if report else result
         step = chunk_size or size
-        reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable, "jacobian")
+        reason, owners = _fast_path_screen(model, trainable, "jacobian", path)
         if reason is None:
             start = 0
             while start < size and reason is None:
                 rows = slice(start, start + step)
-                out, reason = _fast_jacobian_chunk(forward, trainable, batch.rows(rows), out, rows, size, total,
-                                                   _owner_rules(model, trainable, "jacobian"))
+                out, reason = _fast_jacobian_chunk(forward, trainable, batch.rows(rows), out, rows, size, total, owners)
                 start += step
             if reason is None:
                 assert out is not None  # written by the first chunk

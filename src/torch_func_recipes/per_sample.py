@@ -104,13 +104,13 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
         if size == 0:
             result = out or {name: p.new_empty((0, *p.shape)) for name, p in trainable.items()}
             return (result, PathReport("none", "the batch is empty")) if report else result
-        reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable)
+        reason, owners = _fast_path_screen(model, trainable, "grads", path)
         if reason is None:
             result = out if out is not None else {name: p.new_empty((size, *p.shape)) for name, p in trainable.items()}
             step = chunk_size or size
             for start in range(0, size, step):
                 rows = slice(start, start + step)
-                reason = _fast_chunk(model, trainable, loss_fn, batch.rows(rows), {n: t[rows] for n, t in result.items()})
+                reason = _fast_chunk(model, trainable, loss_fn, batch.rows(rows), {n: t[rows] for n, t in result.items()}, owners)
                 if reason is not None:
                     break
             if reason is None:
@@ -145,8 +145,8 @@ def _loop_grads(model, trainable, loss_fn, batch, out):
     return result
 
 
-def _fast_chunk(model, trainable, loss_fn, batch, out):
-    output, layers, reason = _traced_forward(model, batch, trainable)
+def _fast_chunk(model, trainable, loss_fn, batch, out, owners):
+    output, layers, reason = _traced_forward(model, batch, trainable, "grads", owners)
     if reason is not None:
         return reason
     total = _losses_of_each(loss_fn, output, batch).sum()
@@ -219,17 +219,20 @@ def clip_and_noise(per_sample: _Grads, max_norm: float, noise_multiplier: float,
     private = {}
     for name, g in per_sample.items():
         clipped_sum = torch.einsum("b,b...->...", scale.to(g.dtype), g)
-        private[name] = _noise_like(clipped_sum, generator).mul_(noise_multiplier * max_norm).add_(clipped_sum).div_(divisor)
+        private[name] = _noisy_mean(clipped_sum, noise_multiplier * max_norm, divisor, generator)
     return private
 
 
-def _noise_like(t: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Standard normal noise shaped like t, drawn where the generator lives and moved to t's device: a CPU
-    generator gives the same noise on any device; one on t's device, or None (fresh noise), draws it there,
-    without a copy from the host (on a GPU, drawing a large model's noise on the CPU costs more than the
-    rest of a DP step)."""
-    where = t.device if generator is None else generator.device
-    return torch.randn(t.shape, generator=generator, dtype=t.dtype, device=where).to(t.device)  # a new tensor: callers write into it
+def _noisy_mean(total: torch.Tensor, std: float, divisor: int | float, generator: torch.Generator | None) -> torch.Tensor:
+    """(total + std * z) / divisor in a new tensor, z standard normal noise shaped like total, drawn where the
+    generator lives and moved to total's device: a CPU generator gives the same noise on any device; one on total's
+    device, or None (fresh noise), draws it there, without a copy from the host (on a GPU, drawing a large model's
+    noise on the CPU costs more than the rest of a DP step). The noise is drawn already scaled by std / divisor
+    (normal_ takes the same draws from the generator as torch.randn) and total added in the same buffer: one pass over
+    the result, where scaling, adding and dividing in turn took three."""
+    where = total.device if generator is None else generator.device
+    noise = torch.empty(total.shape, dtype=total.dtype, device=where).normal_(0.0, std / divisor, generator=generator)
+    return noise.to(total.device).add_(total, alpha=1 / divisor)
 
 
 def noised_mean(clipped_sum: _Grads, *, max_norm: float, noise_multiplier: float, expected_batch_size: int | float,
@@ -269,7 +272,7 @@ def noised_mean(clipped_sum: _Grads, *, max_norm: float, noise_multiplier: float
         raise ValueError(f"the batch is empty or expected_batch_size is not positive ({expected_batch_size})")
     private = {}
     for name, total in clipped_sum.items():  # (total + sigma C noise) / B, in the noise's own buffer: no other copy
-        private[name] = _noise_like(total, generator).mul_(noise_multiplier * max_norm).add_(total).div_(expected_batch_size)
+        private[name] = _noisy_mean(total, noise_multiplier * max_norm, expected_batch_size, generator)
     return private
 
 
@@ -373,9 +376,9 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
         if len(batch) == 0:
             norms = next(iter(trainable.values())).new_zeros(0)
             return (norms, PathReport("none", "the batch is empty", [], [], [])) if report else norms
-        reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable, "norms")
+        reason, owners = _fast_path_screen(model, trainable, "norms", path)
         if reason is None:
-            found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size)
+            found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners)
             if found is not None:
                 squares, ghost, direct, _ = found
                 why = "a trace of the forward pass showed every operation keeps the examples apart"
@@ -481,7 +484,7 @@ def _clipped_from_outputs(layers, kept, shares, weights, trainable):
     return [found.get(name) for name in trainable]
 
 
-def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=None):
+def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, max_norm=None):
     """On the batched forward and backward pass, where a trace shows each example's rows stay its own:
     ((B,) squared norms, ghost names, direct names, clipped sum or None), or None and the reason it does
     not apply. Each layer's output gradient is reduced to its share of the norms by a hook as soon as the
@@ -497,7 +500,7 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm=N
     step = chunk_size or len(batch)
     for start in range(0, len(batch), step):
         part = batch.rows(slice(start, start + step))
-        output, layers, reason = _traced_forward(model, part, trainable, "norms")
+        output, layers, reason = _traced_forward(model, part, trainable, "norms", owners)
         if reason is not None:
             return None, reason
         losses = _losses_of_each(loss_fn, output, part)
@@ -743,10 +746,9 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             return (result, how) if report else result
         weights = _clip_factors(norms.detach().clone(), max_norm)  # clone: norms made under inference_mode
         output = None
-        reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(
-            model, trainable, "norms")
+        reason, owners = _fast_path_screen(model, trainable, "norms", path)
         if reason is None:  # the plain batched forward, where a trace shows it exact
-            output, _, reason = _traced_forward(model, batch, trainable, "norms")
+            output, _, reason = _traced_forward(model, batch, trainable, "norms", owners)
         if output is not None:
             losses = _losses_of_each(loss_fn, output, batch)
             grads = torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), list(trainable.values()), allow_unused=True)
@@ -764,9 +766,9 @@ def _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size
     from the same forward pass (so the same dropout masks, and the clipping bound holds): on the fast path,
     two backward passes of one batched forward pass per chunk; elsewhere, each chunk's per-example gradients
     (vmap, with recurrent layers unrolled; where that raised, one example at a time), clipped and summed."""
-    reason = f"path={path!r} was asked for" if path in ("vmap", "unroll", "loop") else _fast_path_screen(model, trainable, "norms")
+    reason, owners = _fast_path_screen(model, trainable, "norms", path)
     if reason is None:
-        found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, max_norm)
+        found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, max_norm)
         if found is not None:
             return found[3], PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
     if path == "fast":
