@@ -90,6 +90,10 @@ CASES = {
     "example data through NumPy": (mixing(lambda h: h + torch.from_numpy(h.detach().numpy()).mean(0)), "refused"),
     "an output autograd saved": (mixing(lambda h: h + 0.1 * saved_output(h).mean(0)), "refused"),
     "a view's base fetched back": (mixing(lambda h: h + (h * 1.0)[:, :4]._base.mean(0)), "refused"),
+    # Python numbers read from the batch, which no dispatch mode sees: the trace passes, the check of the first two
+    # examples together and alone refuses
+    "the batch's size in arithmetic": (mixing(lambda h: h / h.shape[0]), "refused"),
+    "the batch's values by .tolist()": (mixing(lambda h: h * max(h[:, 0].tolist())), "refused"),
 }
 INPUTS = {"seed CNN as a class": randn(6, 1, 14, 14), "seed MLP as a class": randn(6, 1, 4, 4)}
 X = randn(6, 6)
@@ -124,6 +128,69 @@ def test_recipes_equal_the_loop(recipes, name):
     norms, report = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, report=True)
     assert report.path == expected_path, report.reason
     assert close(norms, torch.stack([torch.cat([g[n].flatten() for g in expected.values()]).norm() for n in range(len(x))]))
+
+
+def lookup_in_examples(m, x):
+    """Row n of the result is example B-1-n's hidden state: a lookup whose table is example data."""
+    return m.b(F.embedding(torch.arange(len(x)).flip(0), torch.tanh(m.a(x))))
+
+
+def index_from_examples(m, x):
+    """Every example's hidden state at the columns every example's input picks: one index for all rows, made
+    from example data."""
+    h = torch.tanh(m.a(x))
+    return m.b(h * h.index_select(1, x.argmax(1) % h.shape[1]).mean(1, keepdim=True))
+
+
+def norm_weight_from_examples(m, x):
+    """A LayerNorm whose weight is the examples' first feature (width = batch size): feature j scaled by example j.
+    Defined for a batch of 6 only, so there is no loop to compare with: the trace must stop all the same."""
+    h = torch.tanh(m.a(x))
+    return m.b(F.layer_norm(h, h.shape[1:], weight=h[:, 0]))
+
+
+def written_by_out(m, x):
+    """Example data written by out= into a buffer of zeros, then averaged over the batch through a view taken
+    before the write."""
+    buffer = torch.zeros_like(x)
+    view = buffer.view(-1)
+    torch.mul(x, 1.0, out=buffer)  # x: out= takes no tensor that requires grad
+    return m.b(torch.tanh(m.a(x + view.view(x.shape).mean(0))))
+
+
+# models whose first two examples may pass the check together and alone: the trace itself must stop, and says why
+TRACE_STOPS = {
+    "a lookup in a table of example data": (lookup_in_examples, "takes example data in an argument other than its input"),
+    "an index made from example data": (index_from_examples, "takes example data in an argument other than its input"),
+    "a LayerNorm weight made from example data": (norm_weight_from_examples, "takes example data in an argument other than its input"),
+    "example data written by out=": (written_by_out, "writes example data into a tensor that held none"),
+}
+
+
+@pytest.mark.parametrize("name", list(TRACE_STOPS))
+def test_the_trace_stops_at_example_data_in_another_argument(recipes, name):
+    """Where example data reaches an operation through an argument that is not its input (a lookup's table, an
+    index, a normalisation's weight, an out= buffer), the trace stops; had it gone on, the layer products would
+    differ from the loop."""
+    forward, reason = TRACE_STOPS[name]
+    model = net(forward, width=6).double()
+    trainable = dict(model.named_parameters())
+    batch = recipes["_as_batch"](X, TARGETS, (), {})
+    output, layers, why = recipes["_run_trace"](model, batch, trainable, "grads", None)
+    assert output is None and reason in why, why
+    if forward is norm_weight_from_examples:
+        return
+    tracer = recipes["_BatchTrace"](6, [X], trainable)
+    tracer.fail = lambda why: None  # a trace that never objects
+    with tracer:
+        output = model(X)
+    deltas = torch.autograd.grad(F.cross_entropy(output, TARGETS, reduction="sum"), [layer["z"] for layer in tracer.layers])
+    out = {name: torch.zeros((6, *p.shape), dtype=p.dtype) for name, p in trainable.items()}
+    done: set = set()
+    for layer, delta in zip(tracer.layers, deltas):
+        recipes["_per_example_products"](layer, delta, out, done)
+    expected = loop_per_sample(model, X, TARGETS)
+    assert not all(torch.allclose(out[k], expected[k], rtol=1e-10, atol=1e-12) for k in expected)
 
 
 def test_the_adversarial_models_differ_from_the_fast_paths_arithmetic(recipes):

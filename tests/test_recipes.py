@@ -482,11 +482,12 @@ def test_norms_fast_path_padding_rows_and_a_model_that_mixes_examples(recipes):
     # the batched pass subtracts the batch mean, so it mixes examples: no example has a norm of its own
     mixer = Model(lambda m, tokens: m.head((lambda h: h - h.mean(0))(m.norm(m.embed(tokens)).mean(1))),
                   embed=nn.Embedding(11, 4, padding_idx=0), norm=nn.LayerNorm(4), head=nn.Linear(4, 3)).double()
-    for path in ("auto", "vmap", "loop"):
+    for path in ("auto", "fast", "vmap", "loop"):  # refused on every path, before any trace
         with pytest.raises(ValueError, match="depends on the other examples of the batch"):
             norms(mixer, F.cross_entropy, tokens, TARGETS, path=path)
-    with pytest.raises(ValueError, match="the fast path does not apply: .* batch dimension"):  # the trace sees it
-        norms(mixer, F.cross_entropy, tokens, TARGETS, path="fast")
+    batch = recipes["_as_batch"](tokens, TARGETS, (), {})  # and the trace sees it on its own
+    _, _, why = recipes["_run_trace"](mixer, batch, dict(mixer.named_parameters()), "norms", None)
+    assert "works along the batch dimension" in why, why
 
 
 def test_norms_edge_cases_and_errors(recipes):

@@ -35,8 +35,8 @@ RReLU) in training mode                     (``vmap(..., randomness="different")
                                             function); call ``model.eval()``
 a model whose output for one example        per-example recipes: ValueError naming the problem (no
 depends on the others (a batch mean or      example has a gradient of its own), found by running the
-softmax by hand, a roll over the batch)     first two examples together and alone
-                                            (``_check_examples_apart``); curvature recipes accept it
+softmax by hand, a roll over the batch,     first two examples together and alone
+the batch's size read as a number)          (``_check_examples_apart``); curvature recipes accept it
                                             (the batch's loss is one function of the parameters), but
                                             ``ggn_diagonal``, which needs per-example factors, refuses it
 no parameter requires grad                  ValueError for every recipe
@@ -307,8 +307,9 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     mean is the example itself). How: the model runs on the batch's first two examples together and on each
     alone, under no_grad, and every output tensor with the two examples along dimension 0 must agree to a
     relative 1e-5 of its largest entry (rounding between batch sizes stays far below). Cost: three forward
-    passes of one or two examples, paid off the fast path only (its trace shows the examples apart, and a
-    model that mixes them never takes it). Not run for a batch of one; nor for a model with a random module in
+    passes of one or two examples, on every path (the fast path's trace sees each operation, but not a Python
+    number read from a tensor: the batch's size in `h / x.shape[0]`, or `.tolist()`). Not run for a batch of one;
+    nor for a model with a random module in
     training mode, whose draws differ between the passes; nor where a forward pass raises (the recipe then
     meets the error itself, on its own path). A model that mixes examples only beyond the first two, or only
     through randomness, is not detected. A check passed is remembered for the model and the call's signature
@@ -316,11 +317,11 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     loop pays it once, not every step (a quarter of a small transformer's per-sample gradients otherwise); a
     model that mixes examples only for some values of its inputs or parameters, after passing once, is not
     detected either."""
-    if len(batch) < 2 or _random_modules(model):
+    if len(batch) < 2:
         return
     signature = _call_signature(model, batch)
     passed = _per_model(_APART, model, set)
-    if signature is not None and signature in passed:
+    if signature is not None and signature in passed or _random_modules(model):
         return
     try:
         with torch.no_grad():
@@ -340,7 +341,8 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
             gap = (joint - separate).abs().max().item() / max(scale, torch.finfo(joint.dtype).tiny)
             raise ValueError("the model's output for one example depends on the other examples of the batch (its first "
                              f"two examples give outputs {gap:.1e} apart, relative to the largest, together and alone): "
-                             "a batch statistic or an operation across the batch mixes them, so no example has a gradient "
+                             "a batch statistic or an operation across the batch mixes them, or a number read from the "
+                             "whole batch (its size, x.shape[0], or values by .tolist()), so no example has a gradient "
                              "of its own; compute it per example (BatchNorm: model.eval(), or GroupNorm/LayerNorm)")
     if signature is not None:
         passed.add(signature)

@@ -19,7 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ._batch import _Batch, _call_signature, _per_model, _scalar_loss
+from ._batch import _Batch, _call_signature, _check_examples_apart, _per_model, _scalar_loss
 from ._layers import _LayerRule, _rule_of, _rules_for
 
 
@@ -79,8 +79,9 @@ _SCHEMAS: dict = {}  # operator -> [(argument name, has a default, the default)]
 
 
 def _writes(func) -> tuple:
-    """Positions of the arguments the operator writes into, from its schema."""
-    return tuple(i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+    """(position, name) of each argument the operator writes into, from its schema: an in-place operation's self,
+    or an out= tensor (keyword-only in the schema, so the trace meets it among the keyword arguments)."""
+    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _memory_of(t) -> int:
@@ -96,7 +97,7 @@ def _pointwise(func) -> bool:
 
 
 class _OpPlan(NamedTuple):
-    """What _BatchTrace does with one operator: the positions of the arguments it writes into, the layer rules whose
+    """What _BatchTrace does with one operator: the arguments it writes into (_writes), the layer rules whose
     operations include it, its general case in _BatchTrace.rule (_BatchTrace.category_of), and whether its results
     have memory of their own (no view or in-place result: a storage the trace has not met)."""
     func: object
@@ -309,8 +310,8 @@ class _BatchTrace(TorchDispatchMode):
         params = [trainable[i] for i in ids if i in trainable]
         transposed = [self.transposed[i] for i in ids if i in self.transposed] if self.transposed else []
         shared = [i for i in ids if i in self.shared] if self.shared else []
-        for index in plan.writes:
-            value = args[index] if index < len(args) else None
+        for index, name in plan.writes:
+            value = args[index] if index < len(args) else kwargs.get(name)
             if isinstance(value, torch.Tensor):
                 if self.param_of(value) is not None:
                     self.fail(f"{func} writes into parameter {self.param_of(value)}")
@@ -400,6 +401,8 @@ class _BatchTrace(TorchDispatchMode):
             dims = self.dims_of(func, args, kwargs)
             if dims is None or 0 in dims:
                 self.fail(f"{func} works along the batch dimension (dim={dims})")
+            if func is self.aten.index_select.default:  # one index for every row: it must not come from example data
+                self.only_in(func, tensors, args[0])
             return r
         if category == "matmul":
             mats = args[1:3] if func in (self.aten.addmm.default, self.aten.baddbmm.default) else args[:2]
@@ -413,10 +416,13 @@ class _BatchTrace(TorchDispatchMode):
         if category == "layer_norm":
             if len(args[1]) >= args[0].dim():
                 self.fail(f"{func} normalises over the batch dimension")
+            self.only_in(func, tensors, args[0])
             return r
-        if category == "own_rows":
+        if category == "own_rows":  # a lookup keeps the rows of its indices, a table with example data mixes them
+            self.only_in(func, tensors, args[1] if func is self.aten.embedding.default else args[0])
             return r
         if category == "batch_norm" and self.values_of(func, args, kwargs).get("training") is False:
+            self.only_in(func, tensors, args[0])
             return r  # running statistics: each example normalised on its own
         if category == "attention":
             query = args[0]
@@ -425,6 +431,13 @@ class _BatchTrace(TorchDispatchMode):
                 self.fail(f"{func} attends across the batch dimension")
             return r
         self.fail(f"{func} is not on the fast path's list of operations")
+
+    def only_in(self, func, tensors, carrier):
+        """Stop unless carrier is the one argument of func that holds example data (the input of a normalisation, the
+        indices of a lookup): a weight, a table, running statistics or an index with example data in them would
+        apply one example's values to the other examples' rows. tensors: func's tensor arguments."""
+        if sum(self.r_of(a) is not None for a in tensors) > (self.r_of(carrier) is not None):
+            self.fail(f"{func} takes example data in an argument other than its input")
 
     def follow_cast(self, args, kwargs, result, name):
         """A parameter copied into another floating dtype on its own device (autocast's bfloat16 copy of a float32
@@ -505,13 +518,16 @@ def _owner_rules(model: nn.Module, trainable: dict[str, nn.Parameter], need: str
     return found
 
 
-def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need: str = "grads",
-                      path: str = "auto") -> tuple[str | None, dict[str, tuple[_LayerRule, ...] | None] | None]:
-    """Whether the fast path may apply, as far as is known before running anything: (None, owners) if it may,
-    owners being _owner_rules(model, trainable, need), which the trace then checks every use against (so they
-    are worked out once per call); otherwise (the reason, None): another path was asked for, a parameter belongs to
-    a module no layer rule covers, or a backward hook is registered. need: what the caller asks of the layer rules
-    ("grads", "jacobian" or "norms")."""
+def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need: str, path: str,
+                      batch: _Batch) -> tuple[str | None, dict[str, tuple[_LayerRule, ...] | None] | None]:
+    """Whether the fast path may apply, as far as is known before its trace: (None, owners) if it may, owners
+    being _owner_rules(model, trainable, need), which the trace then checks every use against (so they are worked
+    out once per call); otherwise (the reason, None): another path was asked for, a parameter belongs to a module
+    no layer rule covers, or a backward hook is registered. need: what the caller asks of the layer rules
+    ("grads", "jacobian" or "norms"). Where the fast path may apply, a model whose output for one example depends
+    on the other examples of the batch is refused here, as off the fast path (_batch._check_examples_apart,
+    remembered per call signature): the trace sees every operation but not the Python numbers a forward pass reads
+    from a tensor, such as the batch's size (`h / x.shape[0]`) or `.tolist()` of its values."""
     if path in ("vmap", "unroll", "loop"):
         return f"path={path!r} was asked for", None
     owners = _owner_rules(model, trainable, need)
@@ -527,6 +543,7 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
             return f"{name or 'the model'} has a backward hook", None
     if nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks:
         return "a global module backward hook is registered", None
+    _check_examples_apart(model, batch)
     return None, owners
 
 

@@ -78,7 +78,7 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
             result = _result_buffer(out, 0, output.shape[1], total, output, trainable)
             return (result, PathReport("none", "the batch is empty")) if report else result
         step = chunk_size or size
-        reason, owners = _fast_path_screen(model, trainable, "jacobian", path)
+        reason, owners = _fast_path_screen(model, trainable, "jacobian", path, batch)
         if reason is None:
             start = 0
             while start < size and reason is None:

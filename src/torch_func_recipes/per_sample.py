@@ -104,7 +104,7 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
         if size == 0:
             result = out or {name: p.new_empty((0, *p.shape)) for name, p in trainable.items()}
             return (result, PathReport("none", "the batch is empty")) if report else result
-        reason, owners = _fast_path_screen(model, trainable, "grads", path)
+        reason, owners = _fast_path_screen(model, trainable, "grads", path, batch)
         if reason is None:
             result = out if out is not None else {name: p.new_empty((size, *p.shape)) for name, p in trainable.items()}
             step = chunk_size or size
@@ -376,7 +376,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
         if len(batch) == 0:
             norms = next(iter(trainable.values())).new_zeros(0)
             return (norms, PathReport("none", "the batch is empty", [], [], [])) if report else norms
-        reason, owners = _fast_path_screen(model, trainable, "norms", path)
+        reason, owners = _fast_path_screen(model, trainable, "norms", path, batch)
         if reason is None:
             found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners)
             if found is not None:
@@ -746,7 +746,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             return (result, how) if report else result
         weights = _clip_factors(norms.detach().clone(), max_norm)  # clone: norms made under inference_mode
         output = None
-        reason, owners = _fast_path_screen(model, trainable, "norms", path)
+        reason, owners = _fast_path_screen(model, trainable, "norms", path, batch)
         if reason is None:  # the plain batched forward, where a trace shows it exact
             output, _, reason = _traced_forward(model, batch, trainable, "norms", owners)
         if output is not None:
@@ -766,7 +766,7 @@ def _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size
     from the same forward pass (so the same dropout masks, and the clipping bound holds): on the fast path,
     two backward passes of one batched forward pass per chunk; elsewhere, each chunk's per-example gradients
     (vmap, with recurrent layers unrolled; where that raised, one example at a time), clipped and summed."""
-    reason, owners = _fast_path_screen(model, trainable, "norms", path)
+    reason, owners = _fast_path_screen(model, trainable, "norms", path, batch)
     if reason is None:
         found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, max_norm)
         if found is not None:
