@@ -315,3 +315,43 @@ def test_a_tied_linear_layer_is_never_probed_and_no_candidate_means_no_extra_pas
     assert covered(only_tied, as_batch(x), dict(only_tied.named_parameters())) == {} and runs == []
     norms = recipes["per_sample_grad_norms"](only_tied, F.cross_entropy, x, TARGETS)
     assert close(norms, torch.cat([g.flatten(1) for g in loop_per_sample(only_tied, x, TARGETS).values()], 1).norm(dim=1))
+
+
+class ProbedMLP(nn.Module):
+    """An MLP that also runs a layer whose output it drops (a debugging probe): a traced layer the output does not
+    depend on."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.probe, self.b = nn.Linear(6, 8), nn.Linear(6, 2), nn.Linear(8, 3)
+
+    def forward(self, x):
+        self.probe(x)
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_layouts_and_layers_the_fast_path_meets_on_the_way(recipes):
+    """A channels-last input through a GroupNorm (whose backward vmap cannot batch over the Jacobian's outputs), a
+    layer whose output the model drops, and out= buffers that are not contiguous: the fast path answers as the
+    loop, where it raised before."""
+    torch.manual_seed(3)
+    cnn = nn.Sequential(nn.Conv2d(3, 4, 2, stride=2), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(64, 3)).double()
+    images = randn(6, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    for model, x in [(cnn, images), (ProbedMLP().double(), X)]:
+        jacobian, report = recipes["output_jacobian"](model, x, report=True)
+        assert report.path == "fast" and close(jacobian, loop_output_jacobian(model, x)), report.reason
+    embed = nn.Sequential(nn.Embedding(7, 4), nn.Conv1d(3, 3, 2), nn.LayerNorm(3), nn.Flatten(), nn.Linear(9, 3)).double()
+    for model, x in [(embed, torch.randint(0, 7, (6, 3), generator=G)), (cnn, images)]:
+        out = {n: torch.empty(*p.shape, 6, dtype=p.dtype).permute(-1, *range(p.dim())) for n, p in model.named_parameters()}
+        got, report = recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS, out=out, report=True)
+        expected = loop_per_sample(model, x, TARGETS)
+        assert report.path == "fast" and all(got[k] is out[k] and close(got[k], expected[k]) for k in expected), report.reason
+
+
+def test_bad_norms_and_out_are_refused(recipes):
+    model = mlp().double()
+    for norms in (-torch.ones(6, dtype=torch.float64), torch.full((6,), float("nan"), dtype=torch.float64)):
+        with pytest.raises(ValueError, match="norms must be non-negative"):
+            recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0, norms=norms)
+    with pytest.raises(TypeError, match="out must be a dict"):
+        recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, out=[])

@@ -146,7 +146,16 @@ def _fast_jacobian_chunk(forward, trainable, part, out, rows, batch, total, owne
     # the Y basis cotangents, each spread over the whole chunk: one batched backward pass gives every delta
     basis = torch.eye(n_out, dtype=output.dtype, device=output.device)[:, None, :].expand(n_out, len(part), n_out)
     zs = [layer["z"] for layer in layers]
-    deltas = vmap(lambda v: torch.autograd.grad(output, zs, v, retain_graph=True, allow_unused=True))(basis)
+
+    def backward(v):  # a layer output the model's output does not depend on gets zeros (vmap returns tensors only)
+        grads = torch.autograd.grad(output, zs, v, retain_graph=True, allow_unused=True)
+        return [torch.zeros_like(z) if g is None else g for z, g in zip(zs, grads)]
+
+    try:
+        deltas = vmap(backward)(basis)
+    except RuntimeError:  # a backward formula vmap cannot batch (one that asks a strided layout's contiguity, say):
+        rows_ = [backward(v) for v in basis]  # the same gradients, one output at a time
+        deltas = [torch.stack(per_layer) for per_layer in zip(*rows_)]
     done: set = set()
     for layer, delta in zip(layers, deltas):
         delta = torch.zeros((n_out, *layer["z"].shape), dtype=output.dtype, device=output.device) if delta is None else delta

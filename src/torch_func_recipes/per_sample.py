@@ -59,7 +59,8 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             receives whole (a shared mask, say).
         chunk_size (int, optional): process this many examples at a time, to bound the memory of
             intermediates.
-        out (dict, optional): ``{name: (B, *param.shape)}`` tensors to write the result into (and return).
+        out (dict, optional): ``{name: (B, *param.shape)}`` tensors to write the result into (and return); the
+            fast path writes a non-contiguous one through a contiguous copy of its size.
         path (str): ``"auto"`` (the fast path where a trace of this call establishes that it applies, else
             ``vmap(grad(...))`` with any ``nn.RNN``/``GRU``/``LSTM`` computed step by step, else, where
             that raised, the loop), or a path taken as asked: ``"fast"``, ``"vmap"``, ``"unroll"`` (each
@@ -95,6 +96,8 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
     _check_path(path)
     size = len(batch)
     if out is not None:
+        if not isinstance(out, dict):
+            raise TypeError(f"out must be a dict {{name: tensor (B, *param.shape)}}, like the result, got {type(out).__name__}")
         for name, p in trainable.items():
             given = out.get(name)
             if given is None or given.shape != (size, *p.shape) or given.dtype != p.dtype or given.device != p.device:
@@ -106,7 +109,9 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             return (result, PathReport("none", "the batch is empty")) if report else result
         reason, owners = _fast_path_screen(model, trainable, "grads", path, batch)
         if reason is None:
-            result = out if out is not None else {name: p.new_empty((size, *p.shape)) for name, p in trainable.items()}
+            # the layer rules write through views of each result: a non-contiguous out is written through a copy
+            result = {name: p.new_empty((size, *p.shape)) if out is None else out[name] if out[name].is_contiguous()
+                      else torch.empty_like(out[name], memory_format=torch.contiguous_format) for name, p in trainable.items()}
             step = chunk_size or size
             for start in range(0, size, step):
                 rows = slice(start, start + step)
@@ -114,6 +119,11 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
                 if reason is not None:
                     break
             if reason is None:
+                if out is not None:
+                    for name, t in result.items():
+                        if t is not out[name]:
+                            out[name].copy_(t)
+                    result = out
                 report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
                                      "and every use of a trainable parameter is an operation its layer's rule covers")
                 return (result, report_) if report else result
@@ -731,6 +741,9 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
         raise ValueError(f"max_norm must be positive, got {max_norm}")
     if norms is not None and (not isinstance(norms, torch.Tensor) or norms.shape != (len(batch),)):
         raise ValueError(f"norms must be a ({len(batch)},) tensor, one norm per example")
+    if norms is not None and len(batch) and bool((~(norms >= 0)).any()):  # one check for NaN and negative norms
+        raise ValueError("norms must be non-negative numbers (a negative norm would flip its example's gradient, a NaN "
+                         "one make the whole sum NaN); pass per_sample_grad_norms' result")
     random = _random_modules(model)
     if norms is not None and random:
         raise ValueError(f"norms were given, but {random[0][0]} ({type(random[0][1]).__name__}) is random in training "
