@@ -758,3 +758,36 @@ def test_autocast_with_a_layer_called_twice():
         norms, how = tfr.per_sample_grad_norms(model, lambda out, t: F.cross_entropy(out.float(), t), x, TARGETS, report=True)
     assert how.path == "fast", how
     assert ((norms.double() - reference).abs() / reference).max() < 3e-2
+
+
+class RoundsByBatchSize(nn.Module):
+    """Under autocast, logits (upcast to float32, as transformers' Llama's are) that move by 1e-4 relative per extra
+    example of the batch: what a low-precision kernel's rounding can do between batch sizes (a bfloat16 Llama's
+    logits differ by 3e-3 between its first two examples together and alone on a 2-core Xeon), standing in for it
+    deterministically. With bfloat16 weights, outputs one bfloat16 rounding (2**-8) apart per extra example."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, C)
+
+    def forward(self, x):
+        logits = self.b(torch.tanh(self.a(x)))
+        if logits.dtype == torch.bfloat16 and not torch.is_autocast_enabled("cpu"):  # bfloat16 weights: a rounding more
+            return logits * (1 + 2**-8 * (len(x) - 1))
+        logits = logits.float()
+        return logits * (1 + 1e-4 * (len(x) - 1)) if torch.is_autocast_enabled("cpu") else logits
+
+
+def test_the_check_of_examples_apart_runs_without_autocast():
+    """The check that runs the first two examples together and alone does so with autocast off, and allows 16
+    roundings of an output dtype coarser than float32, so that rounding which differs between batch sizes is not
+    taken for examples that mix: under autocast, and with bfloat16 weights, the recipes keep the fast path. (With
+    the check under autocast, or at float32's tolerance for bfloat16 outputs, the model above is refused.)"""
+    torch.manual_seed(20)
+    model, loss_fn = RoundsByBatchSize(), lambda out, t: F.cross_entropy(out.float(), t)  # noqa: E731
+    x = torch.randn(B, D, generator=torch.Generator().manual_seed(21))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, how = tfr.per_sample_grads(model, loss_fn, x, TARGETS, report=True)
+    assert how.path == "fast", how
+    _, how = tfr.per_sample_grads(model.to(torch.bfloat16), loss_fn, x.to(torch.bfloat16), TARGETS, report=True)
+    assert how.path == "fast", how
