@@ -309,11 +309,10 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     alone, under no_grad and with autocast off (its rounding differs between batch sizes: a bfloat16 Llama's
     outputs 3e-3 apart), and every output tensor with the two examples along dimension 0 must agree to a
     relative 1e-5 of its largest entry, or 16 roundings of a dtype coarser than float32 (rounding between batch
-    sizes stays far below). Cost: three forward
-    passes of one or two examples, on every path (the fast path's trace sees each operation, but not a Python
-    number read from a tensor: the batch's size in `h / x.shape[0]`, or `.tolist()`). Not run for a batch of one;
-    nor for a model with a random module in
-    training mode, whose draws differ between the passes; nor where a forward pass raises (the recipe then
+    sizes stays far below). Cost: three forward passes of one or two examples, on every path (the fast path's
+    trace sees each operation, but not a Python number read from a tensor: the batch's size in `h / x.shape[0]`,
+    or `.tolist()`). Not run for a batch of one; nor for a model with a random module in training mode, whose
+    draws differ between the passes; nor where a forward pass raises (the recipe then
     meets the error itself, on its own path). A model that mixes examples only beyond the first two, or only
     through randomness, is not detected. A check passed is remembered for the model and the call's signature
     (_call_signature: shapes, dtypes, devices, non-tensor arguments, train/eval modes, grad mode), so a training

@@ -154,11 +154,10 @@ def _fast_jacobian_chunk(forward, trainable, part, out, rows, batch, total, owne
     try:
         deltas = vmap(backward)(basis)
     except RuntimeError:  # a backward formula vmap cannot batch (one that asks a strided layout's contiguity, say):
-        rows_ = [backward(v) for v in basis]  # the same gradients, one output at a time
-        deltas = [torch.stack(per_layer) for per_layer in zip(*rows_)]
+        per_output = [backward(v) for v in basis]  # the same gradients, one output at a time
+        deltas = [torch.stack(per_layer) for per_layer in zip(*per_output)]
     done: set = set()
     for layer, delta in zip(layers, deltas):
-        delta = torch.zeros((n_out, *layer["z"].shape), dtype=output.dtype, device=output.device) if delta is None else delta
         _jacobian_products(layer, delta.detach(), columns, done)
     return out, None
 
