@@ -355,3 +355,31 @@ def test_bad_norms_and_out_are_refused(recipes):
             recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0, norms=norms)
     with pytest.raises(TypeError, match="out must be a dict"):
         recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, out=[])
+
+
+def functional_dropout(m, x):
+    """Dropout by F.dropout in training mode (no Dropout module), and noise added by hand: random draws that no
+    module declares."""
+    h = F.dropout(torch.tanh(m.a(x)), 0.3, m.training)
+    return m.b(h + 0.1 * torch.randn_like(h) if m.training else h)
+
+
+def test_randomness_without_a_dropout_module(recipes):
+    """A forward pass that draws random numbers outside a Dropout module: the check of the first two examples
+    together and alone cannot compare such passes, sees that the default generator moved, and leaves the model to the
+    recipes (not refused; the caller's generator left as it was), each example drawing its own noise; and norms
+    given from another forward pass are refused, since the sum's draws would not be theirs."""
+    model = net(functional_dropout).double().train()
+    state = torch.get_rng_state()
+    recipes["_check_examples_apart"](model, recipes["_as_batch"](X, TARGETS, (), {}))
+    assert torch.equal(torch.get_rng_state(), state)
+    grads, report = recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, report=True)
+    assert report.path == "fast" and grads["a.weight"].shape == (6, 8, 6), report.reason
+    norms = recipes["per_sample_grad_norms"](model, F.cross_entropy, X, TARGETS)
+    with pytest.raises(ValueError, match="norms were given, but the model's forward pass draws random numbers"):
+        recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0, norms=norms)
+    model.eval()  # no draws: norms given are welcome
+    norms = recipes["per_sample_grad_norms"](model, F.cross_entropy, X, TARGETS)
+    expected = recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0)
+    given = recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0, norms=norms)
+    assert all(close(given[k], expected[k]) for k in expected)

@@ -73,6 +73,23 @@ _Grads = dict[str, torch.Tensor]  # {parameter name: tensor}, in named_parameter
 _RANDOM_IN_TRAINING = (nn.modules.dropout._DropoutNd, nn.RReLU)
 
 
+def _cuda_devices(model: nn.Module, batch: _Batch) -> list[int]:
+    """The CUDA devices the model's parameters and the batch's tensors are on (their generators are the ones a
+    forward pass may draw from, besides the CPU's)."""
+    return sorted({t.device.index or 0 for t in [*batch.tensors(), *model.parameters()] if t.device.type == "cuda"})
+
+
+def _generator_states(cuda: list[int]) -> list[torch.Tensor]:
+    """The states of the default generators: the CPU's and those of the CUDA devices given. A forward pass that
+    drew random numbers (F.dropout, a float dropout rate, noise added by hand, not only a Dropout module) changed
+    one of them."""
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda)]
+
+
+def _drew_random_numbers(before: list[torch.Tensor], cuda: list[int]) -> bool:
+    return not all(torch.equal(a, b) for a, b in zip(before, _generator_states(cuda)))
+
+
 def _random_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every module of the model that draws random numbers in its forward now: a Dropout with
     p > 0 or an RReLU, in training mode. The one test of randomness the recipes share."""
@@ -311,8 +328,9 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     relative 1e-5 of its largest entry, or 16 roundings of a dtype coarser than float32 (rounding between batch
     sizes stays far below). Cost: three forward passes of one or two examples, on every path (the fast path's
     trace sees each operation, but not a Python number read from a tensor: the batch's size in `h / x.shape[0]`,
-    or `.tolist()`). Not run for a batch of one; nor for a model with a random module in training mode, whose
-    draws differ between the passes; nor where a forward pass raises (the recipe then
+    or `.tolist()`). Not run for a batch of one; nor for a model with a random module in training mode, or whose
+    forward pass draws from the default generators at all (F.dropout, noise by hand), whose draws differ between
+    the passes (the passes leave the generators as they were); nor where a forward pass raises (the recipe then
     meets the error itself, on its own path). A model that mixes examples only beyond the first two, or only
     through randomness, is not detected. A check passed is remembered for the model and the call's signature
     (_call_signature: shapes, dtypes, devices, non-tensor arguments, train/eval modes, grad mode), so a training
@@ -326,11 +344,19 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     if signature is not None and signature in passed or _random_modules(model):
         return
     try:
-        with torch.no_grad(), contextlib.ExitStack() as autocast_off:
+        cuda = _cuda_devices(model, batch)
+        # the caller's generators are left as they were; a pass that drew random numbers (dropout by F.dropout or
+        # a float rate, noise by hand) cannot be compared with another, so the check is left undone, and remembered
+        with torch.no_grad(), contextlib.ExitStack() as context, torch.random.fork_rng(devices=cuda):
             for device in {t.device.type for t in batch.tensors()} | {"cpu"}:
                 if torch.is_autocast_enabled(device):
-                    autocast_off.enter_context(torch.autocast(device, enabled=False))
+                    context.enter_context(torch.autocast(device, enabled=False))
+            before = _generator_states(cuda)
             together = tree_flatten(batch.rows(slice(0, 2)).call(model))[0]
+            if _drew_random_numbers(before, cuda):
+                if signature is not None:
+                    passed.add(signature)
+                return
             alone = [tree_flatten(batch.rows(slice(n, n + 1)).call(model))[0] for n in (0, 1)]
     except Exception:  # any error: the recipe's own path meets it and reports it (no message is read here)
         return

@@ -21,6 +21,9 @@ from ._batch import (
     _check_chunk_size,
     _check_model,
     _clip_factors,
+    _cuda_devices,
+    _drew_random_numbers,
+    _generator_states,
     _Grads,
     _Inputs,
     _LossFn,
@@ -758,6 +761,8 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             result, how = _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size, path)
             return (result, how) if report else result
         weights = _clip_factors(norms.detach().clone(), max_norm)  # clone: norms made under inference_mode
+        cuda = _cuda_devices(model, batch)
+        before = _generator_states(cuda)  # a forward pass that draws random numbers is not the one the norms came from
         output = None
         reason, owners = _fast_path_screen(model, trainable, "norms", path, batch)
         if reason is None:  # the plain batched forward, where a trace shows it exact
@@ -770,6 +775,10 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             raise ValueError(f"the fast path does not apply: {reason}")
         else:
             grads, how = _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason)
+        if _drew_random_numbers(before, cuda):
+            raise ValueError("norms were given, but the model's forward pass draws random numbers (F.dropout, a dropout "
+                             "rate, noise): the norms came from other draws, so the clipping bound would not hold; "
+                             "leave norms out (one forward pass then gives both) or call model.eval()")
     result = {name: (torch.zeros_like(p) if g is None else g) for (name, p), g in zip(trainable.items(), grads)}
     return (result, how) if report else result
 
