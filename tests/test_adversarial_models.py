@@ -2,6 +2,8 @@
 the fast path (examples kept apart, every trainable parameter in one linear or convolution
 operation, recorded activations left alone), each checked against the loop (every example as a
 batch of one) in float64, with the path the recipe must take."""
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -383,3 +385,24 @@ def test_randomness_without_a_dropout_module(recipes):
     expected = recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0)
     given = recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0, norms=norms)
     assert all(close(given[k], expected[k]) for k in expected)
+
+
+def test_constant_padding_keeps_the_fast_path_unless_it_pads_the_batch(recipes):
+    """F.pad with a constant (aten.constant_pad_nd: nn.ZeroPad2d, ConstantPad, a convolution's padding="same" with
+    an even kernel) pads each example's rows on their own: fast, equal to the loop. A pad whose pair for dimension 0
+    is not empty moves rows between examples (1 before and -1 after: every example gets its neighbour's row, the batch
+    keeping its size): the trace stops there."""
+    images = randn(6, 2, 8, 8)
+    for model in (nn.Sequential(nn.Conv2d(2, 3, 2, padding="same"), nn.Flatten(), nn.Linear(192, 3)),
+                  nn.Sequential(nn.ZeroPad2d((1, 0, 2, 1)), nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(189, 3)),
+                  nn.Sequential(nn.ConstantPad1d(2, 0.5), nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(180, 3))):
+        model = model.double()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # padding="same" with an even kernel warns that it copies the input
+            got, report = recipes["per_sample_grads"](model, F.cross_entropy, images, TARGETS, report=True)
+            expected = loop_per_sample(model, images, TARGETS)
+        assert report.path == "fast" and all(close(got[k], expected[k]) for k in expected), report.reason
+    shifted = net(lambda m, x: m.b(F.pad(torch.tanh(m.a(x)), (0, 0, 1, -1))))
+    _, _, why = recipes["_run_trace"](shifted.double(), recipes["_as_batch"](X, TARGETS, (), {}),
+                                      dict(shifted.named_parameters()), "grads", None)
+    assert why is not None and "pads along the batch dimension" in why, why

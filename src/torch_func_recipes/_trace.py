@@ -191,6 +191,8 @@ class _BatchTrace(TorchDispatchMode):
             return "row_preserving"
         if func is aten.expand.default:
             return "expand"
+        if func is aten.constant_pad_nd.default:
+            return "pad"
         if func in cls.BY_DIM:
             return "by_dim"
         if func in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default):
@@ -393,6 +395,11 @@ class _BatchTrace(TorchDispatchMode):
             if t.numel() != args[0].numel() or t.dim() == 0 or t.shape[0] % B:
                 self.fail(f"{func} reshapes the batch dimension away")
             return t.shape[0] // B
+        if category == "pad":  # F.pad's (left, right) pairs from the last dimension back: the batch's pair must be empty
+            pad, ndim = list(args[1]), args[0].dim()
+            if any(pad[2 * (ndim - 1):2 * ndim]):
+                self.fail(f"{func} pads along the batch dimension")
+            return r
         if category == "expand":
             if args[0].dim() != out[0].dim() or out[0].shape[0] != args[0].shape[0]:
                 self.fail(f"{func} expands along the batch dimension")
