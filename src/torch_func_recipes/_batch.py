@@ -332,11 +332,13 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     forward pass draws from the default generators at all (F.dropout, noise by hand), whose draws differ between
     the passes (the passes leave the generators as they were); nor where a forward pass raises (the recipe then
     meets the error itself, on its own path). A model that mixes examples only beyond the first two, or only
-    through randomness, is not detected. A check passed is remembered for the model and the call's signature
-    (_call_signature: shapes, dtypes, devices, non-tensor arguments, train/eval modes, grad mode), so a training
-    loop pays it once, not every step (a quarter of a small transformer's per-sample gradients otherwise); a
-    model that mixes examples only for some values of its inputs or parameters, after passing once, is not
-    detected either."""
+    through randomness, is not detected; nor is a model that draws random numbers and also reads the batch's size
+    (the check is left undone for it, and the trace cannot see the size); a model that draws from a generator of
+    its own (not a default one) is refused, since its passes' draws differ, and that generator moves. A check
+    passed or left undone is remembered for the model and the call's signature (_call_signature: shapes, dtypes,
+    devices, non-tensor arguments, train/eval modes, grad mode), so a training loop pays it once, not every step
+    (a quarter of a small transformer's per-sample gradients otherwise); a model that mixes examples only for
+    some values of its inputs or parameters, or only in calls after the first, is not detected either."""
     if len(batch) < 2:
         return
     signature = _call_signature(model, batch)
