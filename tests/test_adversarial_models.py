@@ -182,17 +182,23 @@ def test_the_trace_stops_at_example_data_in_another_argument(recipes, name):
     assert output is None and reason in why, why
     if forward is norm_weight_from_examples:
         return
-    tracer = recipes["_BatchTrace"](6, [X], trainable)
+    assert not forced_fast_path_is_right(recipes, model, X)
+
+
+def forced_fast_path_is_right(recipes, model, x):
+    """Whether the fast path's layer products, forced onto the model by a trace that never objects, equal the loop."""
+    trainable = dict(model.named_parameters())
+    tracer = recipes["_BatchTrace"](len(x), [x], trainable)
     tracer.fail = lambda why: None  # a trace that never objects
     with tracer:
-        output = model(X)
+        output = model(x)
     deltas = torch.autograd.grad(F.cross_entropy(output, TARGETS, reduction="sum"), [layer["z"] for layer in tracer.layers])
-    out = {name: torch.zeros((6, *p.shape), dtype=p.dtype) for name, p in trainable.items()}
+    out = {name: torch.zeros((len(x), *p.shape), dtype=p.dtype) for name, p in trainable.items()}
     done: set = set()
     for layer, delta in zip(tracer.layers, deltas):
         recipes["_per_example_products"](layer, delta, out, done)
-    expected = loop_per_sample(model, X, TARGETS)
-    assert not all(torch.allclose(out[k], expected[k], rtol=1e-10, atol=1e-12) for k in expected)
+    expected = loop_per_sample(model, x, TARGETS)
+    return all(torch.allclose(out[k], expected[k], rtol=1e-10, atol=1e-12) for k in expected)
 
 
 def test_the_adversarial_models_differ_from_the_fast_paths_arithmetic(recipes):
@@ -200,18 +206,8 @@ def test_the_adversarial_models_differ_from_the_fast_paths_arithmetic(recipes):
     layer products onto a model that mixes examples gives a different answer (so the tests above
     can fail)."""
     model, x, _ = case("h - h.mean(0)")
-    trainable = dict(model.named_parameters())
-    out = {name: torch.empty((6, *p.shape), dtype=p.dtype) for name, p in trainable.items()}
-    tracer = recipes["_BatchTrace"](6, [x], trainable)
-    tracer.fail = lambda why: None  # a trace that never objects
-    with tracer:
-        output = model(x)
-    total = F.cross_entropy(output, TARGETS, reduction="sum")
-    deltas = torch.autograd.grad(total, [layer["z"] for layer in tracer.layers])
-    for layer, delta in zip(tracer.layers, deltas):
-        recipes["_per_example_products"](layer, delta, out)
-    expected = loop_per_sample(model, x, TARGETS)
-    assert not all(torch.allclose(out[k], expected[k], rtol=1e-10, atol=1e-12) for k in expected)
+    assert not forced_fast_path_is_right(recipes, model, x)
+    assert forced_fast_path_is_right(recipes, mlp().double(), X)  # and on a model that keeps its examples apart, equal
 
 
 def branching(m, x):

@@ -709,7 +709,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
     clipped and summed: memory ``chunk_size`` examples' gradients, the whole batch's when ``chunk_size`` is None.
     With ``norms`` given, one backward pass of the reweighted loss on a new forward pass (``"vmap"`` and
     ``"loop"`` as above, without chunks): pass ``norms`` only for a model without randomness, whose forward
-    passes agree.
+    passes agree (a forward pass that draws random numbers is refused).
 
     Args:
         model, loss_fn, inputs, targets, unbatched, chunk_size, path, keyword_inputs: as in :func:`per_sample_grad_norms`.
