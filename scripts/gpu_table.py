@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deadline", type=float, default=450.0, help="seconds after which no new cell is started")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--methods", type=lambda v: v.split(","), default=None, help="comma-separated: time only these (and the baselines)")
-    parser.add_argument("--profile", action="store_true", help="profile the first family's DP step and stop")
+    parser.add_argument("--profile", action="store_true", help="profile the first family's batch gradient and recipes at the first size, and stop")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--sizes", type=lambda v: tuple(int(b) for b in v.split(",")), default=None, help="batch sizes, comma-separated")
     parser.add_argument("--tokens", type=int, default=None, help="sequence length of the text models (default 128)")
@@ -226,27 +226,37 @@ def main(argv: list[str] | None = None) -> None:
         del ref, got, ref_flat
     save()
 
-    if args.profile:
+    if args.profile:  # where the time of one call goes: the GPU's busy time against the wall clock, and the top operations
+        from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
         name, model, key, make, select = built[0]
         g = torch.Generator().manual_seed(2)
         x, y = make(sizes[0], g).to(device), torch.randint(0, C, (sizes[0],), generator=g).to(device)
         loss = lambda out, t: F.cross_entropy(select(out).float(), t)  # noqa: E731
+        calls = (("batch", lambda: torch.autograd.grad(loss(model(**{key: x}), y), list(model.parameters()))),
+                 ("per_sample_grads", lambda: tfr.per_sample_grads(model, loss, targets=y, **{key: x})),
+                 ("norms", lambda: tfr.per_sample_grad_norms(model, loss, targets=y, **{key: x})),
+                 ("DP step", lambda: tfr.clipped_noisy_gradient(model, loss, targets=y, max_norm=1.0, noise_multiplier=1.0,
+                                                                generator=torch.Generator(device).manual_seed(0), **{key: x})))
         for low in (False, True):
-            for what, f in (("norms", lambda: tfr.per_sample_grad_norms(model, loss, targets=y, **{key: x})),
-                            ("DP step", lambda: tfr.clipped_noisy_gradient(model, loss, targets=y, max_norm=1.0, noise_multiplier=1.0,
-                                                                           generator=torch.Generator(device).manual_seed(0), **{key: x}))):
+            for what, f in calls:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=low):
                     f()
                     f()
                     sync()
                     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
                     with profile(activities=activities) as prof:
+                        begin = time.perf_counter()
                         f()
                         sync()
-                print(f"== {name} B={sizes[0]} {'bf16' if low else 'f32'} {what}")
-                sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-                print(prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=60))
+                        wall = (time.perf_counter() - begin) * 1e3
+                events = prof.key_averages()
+                # the kernels' own events (an operation's device time repeats its kernels'), memory copies and sets included
+                busy = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3
+                print(f"== {name} B={sizes[0]} {'bf16' if low else 'f32'} {what}: wall {wall:.2f} ms (profiled), "
+                      f"device kernels {busy:.2f} ms", flush=True)
+                if what != "batch":
+                    print(events.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=50))
         return
     timer = lambda f: Timer("f()", globals={"f": f}, num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=0.05 if args.quick else 0.1).median  # noqa: E731
     for dtype in [getattr(torch, d) for d in args.dtypes]:
