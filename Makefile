@@ -6,6 +6,7 @@
 #   make test                                  the test suite: the pre-commit hooks, then pytest --nbval tests book
 #   make env                                   only set up the environment, and say which torch it has
 #   make nbval                                 only the notebooks: pytest --nbval book
+#   make cuda-tests                            the recipes on a CUDA GPU (tests/test_cuda.py; fails without one)
 #   make lint                                  only the pre-commit hooks (jupytext --sync of every pair, ruff, mypy), on all files
 #   make sync                                  bring every .md/.ipynb pair in sync (the hook, run until it passes)
 #   make outputs [NB=book/01_vmap_basics.md]   re-execute notebooks and store their outputs
@@ -56,7 +57,7 @@ TORCH_UPGRADE :=
 READY_DEPS    :=
 endif
 
-.PHONY: env site test nbval lint sync outputs shared lock clean FORCE
+.PHONY: env site test nbval cuda-tests lint sync outputs shared lock clean FORCE
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -117,6 +118,11 @@ test: env
 
 nbval: env
 	$(PY) -m pytest --nbval book
+
+# The recipes on a CUDA device (tests/test_cuda.py), which the CUDA workflow runs. Elsewhere pytest skips that
+# file; here its skip marks are off (-p no:skipping), so without a GPU it fails instead of passing by skipping.
+cuda-tests: env
+	$(PY) -m pytest -p no:skipping tests/test_cuda.py
 
 # The hooks of .pre-commit-config.yaml run with this environment's tools (jupytext, ruff, mypy) on the PATH.
 lint: $(READY)

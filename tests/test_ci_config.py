@@ -67,6 +67,15 @@ def test_the_self_hosted_check_catches_fork_triggers():
     assert self_hosted_problems(as_string)
 
 
+def test_the_cuda_workflow_runs_the_cuda_tests_unskipped():
+    """tests/test_cuda.py is skipped on every machine without a GPU, so it must run where there is one: the CUDA
+    workflow's steps call `make cuda-tests`, which turns skip marks off (a runner whose GPU is not visible fails)."""
+    steps = " ".join(str(step.get("run", "")) for step in load(ROOT / ".github" / "workflows" / "nbval-cuda.yml")["jobs"]["nbval-cuda"]["steps"])
+    assert "make cuda-tests" in steps and "make nbval" in steps
+    target = (ROOT / "Makefile").read_text().split("\ncuda-tests:", 1)[1].split("\n\n", 1)[0]
+    assert "-p no:skipping tests/test_cuda.py" in target, target
+
+
 def test_ci_tests_the_commit_and_newest_torch_is_scheduled():
     ci = load(ROOT / ".github" / "workflows" / "ci.yml")
     assert ".ci/run" in str(ci["jobs"])

@@ -94,3 +94,21 @@ def test_the_dp_steps_noise_comes_from_the_generator_given():
 
 def close_enough(a, b):
     return all(torch.allclose(a[k].cpu(), b[k], rtol=1e-6) for k in a)
+
+
+def test_convolutions_each_way_on_a_gpu():
+    """On a GPU each example's convolution weights come by im2col, and a depthwise layer's by a forward convolution
+    (_weight_way; the batch kernel with the examples as groups launches once per group there): a single input
+    channel, a strided dense layer and a depthwise one with two outputs per channel equal the loop, gradients and
+    norms."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Tanh(), nn.Conv2d(4, 4, 3, stride=2, padding=1), nn.Tanh(),
+                          nn.Conv2d(4, 8, 5, padding=2, groups=4), nn.Flatten(), nn.Linear(8 * 6 * 6, 3)).double().to(CUDA)
+    x, t = torch.randn(6, 1, 13, 13, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(CUDA), TARGETS.to(CUDA)
+    layers = [m for m in model if isinstance(m, nn.Conv2d)]
+    ways = [tfr._layer_conv._weight_way(dict(weight_shape=m.weight.shape, groups=m.groups), x, 36) for m in layers]
+    assert ways == ["im2col", "im2col", "forward"]
+    expected = loop_per_sample(model, x, t)
+    got, report = tfr.per_sample_grads(model, F.cross_entropy, x, t, report=True)
+    assert report.path == "fast" and all(close(got[k], expected[k]) for k in expected), report.reason
+    norms = tfr.per_sample_grad_norms(model, F.cross_entropy, x, t)
+    assert close(norms, torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1))

@@ -384,6 +384,23 @@ def test_depthwise_convolutions(case, threshold, monkeypatch):
     check_paths_and_the_loop(model, inputs, "fast")
 
 
+def test_the_way_to_each_examples_convolution_weights_by_device(recipes):
+    """_weight_way, for layers with 16x16 outputs: on a CPU im2col while the patches are small, then the batch
+    kernel with the examples as groups, or a forward convolution for one input channel per group; on a GPU never
+    the kernel (cuDNN launches it once per group): im2col, and the forward convolution for a depthwise layer only
+    (tests/test_cuda.py runs each way there)."""
+    from types import SimpleNamespace
+
+    way = recipes["_weight_way"]
+    depthwise = dict(weight_shape=torch.Size([64, 1, 7, 7]), groups=64)
+    dense = dict(weight_shape=torch.Size([64, 64, 3, 3]), groups=1)
+    single_input = dict(weight_shape=torch.Size([4, 1, 3, 3]), groups=1)
+    on = lambda device, batch: SimpleNamespace(device=torch.device(device), shape=(batch, 64, 16, 16))  # what the rule reads
+    assert [way(layer, on("cuda", 1024), 256) for layer in (depthwise, dense, single_input)] == ["forward", "im2col", "im2col"]
+    assert [way(layer, on("cpu", 1024), 256) for layer in (depthwise, dense, single_input)] == ["forward", "kernel", "forward"]
+    assert [way(layer, on("cpu", 1), 256) for layer in (depthwise, dense, single_input)] == ["im2col"] * 3
+
+
 class GemmaStyleRMSNorm(nn.Module):
     """Named like an RMSNorm but scaling by 1 + w: the weight's use is an addition first, which the trace must
     refuse rather than trust the name."""

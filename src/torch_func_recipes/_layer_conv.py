@@ -3,11 +3,11 @@
 Each output position of a convolution is a linear layer applied to the patch it sees, so the
 per-example products are those of a linear layer with the positions as rows (im2col). A grouped
 convolution (depthwise included) is one such linear layer per group: group k's output channels see
-only group k's input channels, whose entries are one contiguous block of each patch. Where the patches are
-large, each example's weight gradient comes without im2col: by the batch gradient's own kernel with the
-examples as groups, or, for a depthwise layer on a CPU, by a forward convolution of the input with the output
-gradient as the kernel. A convolution whose parameters are all frozen passes through with one row per
-example. Registered in _layers; also copied, without this docstring, into the notebook cells tagged
+only group k's input channels, whose entries are one contiguous block of each patch. Each example's
+weight gradient can also come without im2col: by the batch gradient's own kernel with the examples as
+groups, or, for one input channel per group, by a forward convolution of the input with the output
+gradient as the kernel; _weight_way picks the fastest way by device and size. A convolution whose
+parameters are all frozen passes through with one row per example. Registered in _layers; also copied, without this docstring, into the notebook cells tagged
 `shared-package` by scripts/build_shared.py: edit it here.
 """
 
@@ -50,24 +50,33 @@ def _grouped(layer, a, delta):
 # gradient's own kernel with the examples as groups (_ConvRule._each_weight): measured on 2 CPU cores, im2col is
 # faster while the patches are small (3-4x on a 4x4 patchify or a 1-channel input, 0.4M floats of patches), the
 # kernel once they are large (1.1-1.2x at 2-3M floats: a 3x3 or depthwise 7x7 layer; 3.5x at 10.6M, the seed CNN's
-# second layer). Both are exact; this only picks the faster.
+# second layer). All ways are exact; _weight_way only picks the fastest.
 _PATCHES_FOR_THE_KERNEL = 1_000_000
 
 
-def _depthwise_on_cpu(layer, a):
-    """Whether _ConvRule._each_weight takes a forward convolution with the output gradient as the kernel instead of
-    the batch gradient's kernel: one input channel per group (depthwise, any channel multiplier, or a single input
-    channel), on a CPU, where it measured 2-10x faster (ConvNeXt's depthwise 7x7 layers at B = 16: 0.12-0.14
-    against 1.2-1.4 ms; the seed CNN's first layer at B = 256: 2.4 against 4.4 ms). Below _PATCHES_FOR_THE_KERNEL
-    im2col stays (the seed CNN's first layer at B = 64: 0.42 ms, against 0.73 by the forward convolution). Not
-    measured on a GPU, which keeps the kernel."""
-    return layer["weight_shape"][1] == 1 and a.device.type == "cpu"
+def _weight_way(layer, a, positions):
+    """How each example's weight gradient is found: "im2col" (the patches, then one product per group), "kernel" (the
+    batch gradient's own kernel with the examples as groups) or "forward" (a forward convolution of the input with
+    the output gradient as the kernel, for one input channel per group). By speed, as measured:
 
-
-def _by_kernel(layer, a, positions):
-    """Whether the direct per-example weight gradients go by _ConvRule._each_weight (large patches) rather than by
-    im2col."""
-    return a.shape[0] * layer["weight_shape"][1:].numel() * layer["groups"] * positions >= _PATCHES_FOR_THE_KERNEL
+    - CPU (2 cores): im2col below _PATCHES_FOR_THE_KERNEL floats of patches (the seed CNN's first layer at B = 64:
+      0.42 ms, against 0.73 by the forward convolution); above it the kernel, or for one input channel per group
+      (depthwise with any channel multiplier, or a single input channel) the forward convolution, 2-10x faster
+      than the kernel (ConvNeXt's depthwise 7x7 layers at B = 16: 0.12-0.14 against 1.2-1.4 ms; the seed CNN's
+      first layer at B = 256: 2.4 against 4.4 ms).
+    - CUDA (an H100, torch 2.11): never the kernel, which cuDNN runs as one launch per group, B * groups of them
+      (at B = 1024 it took 30 of the 32 ms of ResNet's per-example gradients); im2col, except a depthwise layer
+      (groups > 1, one input channel each), whose patches are (kernel size) times its input: the forward
+      convolution there. Whole recipes at B = 1024, in batch gradients, kernel against this: per_sample_grads on
+      ResNet 5.3 against 3.5 (bfloat16 6.7 against 2.9), on ConvNeXt 6.0 against 2.2; ConvNeXt's norms 3.9
+      against 2.5, with peak memory 0.61 B*P either way (1.48 with im2col for its depthwise layers too).
+    - Other devices: as a CPU (not measured)."""
+    one_input = layer["weight_shape"][1] == 1
+    if a.device.type == "cuda":
+        return "forward" if one_input and layer["groups"] > 1 else "im2col"
+    if a.shape[0] * layer["weight_shape"][1:].numel() * layer["groups"] * positions < _PATCHES_FOR_THE_KERNEL:
+        return "im2col"
+    return "forward" if one_input and a.device.type == "cpu" else "kernel"
 
 
 class _ConvRule(_LayerRule):
@@ -91,12 +100,12 @@ class _ConvRule(_LayerRule):
         return 1
 
     @staticmethod
-    def _each_weight(layer, a, delta):
-        """Each example's weight gradient, (B, *weight shape), by the batch gradient's own kernel with the examples
-        as groups: the B examples' channels side by side as one image, convolved group by group (no im2col). A
-        depthwise layer on a CPU (_depthwise_on_cpu) takes a forward convolution instead."""
+    def _each_weight(layer, a, delta, way):
+        """Each example's weight gradient, (B, *weight shape), without im2col: by the batch gradient's own kernel
+        with the examples as groups (way "kernel": the B examples' channels side by side as one image, convolved
+        group by group), or, for one input channel per group (way "forward"), by a forward convolution."""
         batch, groups, shape = a.shape[0], layer["groups"], layer["weight_shape"]
-        if _depthwise_on_cpu(layer, a):
+        if way == "forward":
             # one input channel per group: example b's channel c correlated with its own output gradients is a
             # forward convolution of the input with the output gradient as the kernel (stride and dilation
             # swapped), cut to the kernel's size
@@ -117,8 +126,9 @@ class _ConvRule(_LayerRule):
             torch.sum(delta.flatten(2), dim=2, out=out[bias])
         if weight is None:
             return
-        if _by_kernel(layer, a, delta[0, 0].numel()):
-            out[weight].copy_(self._each_weight(layer, a, delta))
+        way = _weight_way(layer, a, delta[0, 0].numel())
+        if way != "im2col":
+            out[weight].copy_(self._each_weight(layer, a, delta, way))
             return
         patches, grouped_delta = _grouped(layer, a, delta)  # (B, G, C/G*k, L), (B, G, O/G, L)
         torch.matmul(grouped_delta, patches.transpose(2, 3), out=out[weight].view(*grouped_delta.shape[:3], -1))
@@ -155,8 +165,8 @@ class _ConvRule(_LayerRule):
             patches, delta = _grouped(layer, a, g)
             pairs = (patches.transpose(2, 3) @ patches) * (delta.transpose(2, 3) @ delta)
             found.append((layer["weight"], pairs.sum((1, 2, 3)), "ghost"))
-        elif _by_kernel(layer, a, positions):  # large patches: no im2col copy
-            found.append((layer["weight"], self._each_weight(layer, a, g).flatten(1).square().sum(1), "direct"))
+        elif (way := _weight_way(layer, a, positions)) != "im2col":  # no im2col copy
+            found.append((layer["weight"], self._each_weight(layer, a, g, way).flatten(1).square().sum(1), "direct"))
         else:
             patches, delta = _grouped(layer, a, g)
             found.append((layer["weight"], (delta @ patches.transpose(2, 3)).square().sum((1, 2, 3)), "direct"))
