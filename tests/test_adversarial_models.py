@@ -48,6 +48,13 @@ def saved_output(h):
     return grad_fn._saved_result if grad_fn is not None else h.exp()
 
 
+def attend(h):
+    """Self-attention of each example's 8 features as 2 tokens of 4, by scaled_dot_product_attention (4-D inputs: its
+    fused kernel on a CPU, float64 included)."""
+    tokens = h.view(len(h), 1, 2, 4)
+    return F.scaled_dot_product_attention(tokens, tokens, tokens).reshape(h.shape)
+
+
 def mlp(*change):
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     for f in change:
@@ -96,6 +103,9 @@ CASES = {
     # examples together and alone refuses
     "the batch's size in arithmetic": (mixing(lambda h: h / h.shape[0]), "refused"),
     "the batch's values by .tolist()": (mixing(lambda h: h * max(h[:, 0].tolist())), "refused"),
+    # attention's fused kernels are tagged as operations that may draw random numbers (their dropout), at a rate of 0
+    # too: the check must not take the tag for a draw, and leave itself undone
+    "the batch's size after attention": (mixing(lambda h: attend(h) / h.shape[0]), "refused"),
 }
 INPUTS = {"seed CNN as a class": randn(6, 1, 14, 14), "seed MLP as a class": randn(6, 1, 4, 4)}
 X = randn(6, 6)
@@ -381,6 +391,68 @@ def test_randomness_without_a_dropout_module(recipes):
     expected = recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0)
     given = recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0, norms=norms)
     assert all(close(given[k], expected[k]) for k in expected)
+
+
+def noise_from_its_own_generator(m, x):
+    """Noise drawn from a torch.Generator the model holds (not a default generator, whose state the recipes compare)."""
+    h = torch.tanh(m.a(x))
+    return m.b(h + 0.1 * torch.randn(h.shape, generator=m.g, dtype=h.dtype, device=h.device) if m.training else h)
+
+
+def test_randomness_from_a_generator_of_the_models_own(recipes):
+    """A forward pass that draws from a generator the model holds: the check compares that generator's state too, so
+    it leaves the model to the recipes rather than refusing it as mixing its examples (its passes' draws differ), and
+    leaves that generator as it found it. The per-example gradients then add up to the batch gradient with the same
+    draws; norms given from another pass are refused, for a batch of one too (where the check does not run)."""
+    model = net(noise_from_its_own_generator, g=torch.Generator().manual_seed(3)).double().train()
+    seed = model.g.get_state()
+    recipes["_check_examples_apart"](model, recipes["_as_batch"](X, TARGETS, (), {}))
+    assert torch.equal(model.g.get_state(), seed)
+    grads, report = recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, report=True)
+    assert report.path == "fast", report.reason
+    model.g.set_state(seed)  # the same draws, for the whole batch at once
+    total = torch.autograd.grad(F.cross_entropy(model(X), TARGETS, reduction="sum"), list(model.parameters()))
+    assert all(close(grads[name].sum(0), g) for (name, _), g in zip(model.named_parameters(), total))
+    for x, t in ((X, TARGETS), (X[:1], TARGETS[:1])):
+        norms = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, t)
+        with pytest.raises(ValueError, match="norms were given, but the model's forward pass draws random numbers"):
+            recipes["clipped_grad_sum"](model, F.cross_entropy, x, t, max_norm=1.0, norms=norms)
+
+
+class Reseeded(nn.Module):
+    """Noise from a generator the model holds, re-seeded by the forward pass itself before it draws."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.g = nn.Linear(6, 8), nn.Linear(8, 3), torch.Generator().manual_seed(3)
+
+    def forward(self, x):
+        self.g.manual_seed(self.g.initial_seed() + 1)
+        return self.b(torch.tanh(self.a(x)) + 0.1 * torch.randn(len(x), 8, generator=self.g, dtype=x.dtype))
+
+
+def test_a_generator_re_seeded_in_forward_ends_where_one_plain_pass_leaves_it(recipes):
+    """The check's passes are invisible: the model's generator, re-seeded by each pass before its draw, is put back
+    as it was before the first pass (not before the first draw), so the recipe's own pass draws what a plain pass
+    draws and leaves the generator where a plain pass leaves it."""
+    model, twin = Reseeded().double().train(), Reseeded().double().train()
+    twin.load_state_dict(model.state_dict())
+    grads = recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS)
+    total = torch.autograd.grad(F.cross_entropy(twin(X), TARGETS, reduction="sum"), list(twin.parameters()))
+    assert model.g.initial_seed() == twin.g.initial_seed() == 4 and torch.equal(model.g.get_state(), twin.g.get_state())
+    assert all(close(grads[name].sum(0), g) for (name, _), g in zip(twin.named_parameters(), total))
+
+
+def test_a_higher_order_operator_does_not_hide_a_model_that_mixes_examples(recipes):
+    """torch.cond (a higher-order operator, which a dispatch mode has no rule for) in a model that subtracts the batch's
+    mean: the check runs the model as it is, without a mode around it, and refuses it."""
+    model = net(lambda m, x: m.b(mean_removed(torch.cond(m.b.bias.sum() > -100, torch.sin, torch.cos, (torch.tanh(m.a(x)),)))))
+    with pytest.raises(ValueError, match="depends on the other examples of the batch"):
+        recipes["per_sample_grads"](model.double(), F.cross_entropy, X, TARGETS)
+
+
+def mean_removed(h):
+    return h - h.mean(0)
 
 
 def test_constant_padding_keeps_the_fast_path_unless_it_pads_the_batch(recipes):

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_func_recipes as tfr
-from test_adversarial_models import CASES, INPUTS, TARGETS, X, functional_dropout, net
+from test_adversarial_models import CASES, INPUTS, TARGETS, X, functional_dropout, net, noise_from_its_own_generator
 from test_recipes import close, loop_output_jacobian, loop_per_sample
 from torch_func_recipes._batch import _as_batch, _check_examples_apart
 
@@ -63,6 +63,18 @@ def test_randomness_on_a_gpu_is_seen_and_the_generators_left_alone():
     norms = tfr.per_sample_grad_norms(model, F.cross_entropy, x, t)
     with pytest.raises(ValueError, match="norms were given, but the model's forward pass draws random numbers"):
         tfr.clipped_grad_sum(model, F.cross_entropy, x, t, max_norm=1.0, norms=norms)
+
+
+def test_a_generator_of_the_models_own_on_a_gpu():
+    """Noise from a CUDA generator the model holds: the check sees the draw (not refused), leaves the generator as
+    it was, and the per-example gradients add up to the batch gradient with the same draws."""
+    model = net(noise_from_its_own_generator, g=torch.Generator(CUDA).manual_seed(3)).double().to(CUDA).train()
+    x, t, seed = X.to(CUDA), TARGETS.to(CUDA), model.g.get_state()
+    grads, report = tfr.per_sample_grads(model, F.cross_entropy, x, t, report=True)
+    assert report.path == "fast", report.reason
+    model.g.set_state(seed)
+    total = torch.autograd.grad(F.cross_entropy(model(x), t, reduction="sum"), list(model.parameters()))
+    assert all(close(grads[name].sum(0), g) for (name, _), g in zip(model.named_parameters(), total))
 
 
 def test_a_gpu_model_that_mixes_examples_is_refused_and_the_generators_left_alone():

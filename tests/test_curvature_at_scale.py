@@ -140,16 +140,20 @@ def test_the_arguments_of_top_hessian_eigenvalues_are_checked():
 # ---- 2. determinism -----------------------------------------------------------------------------------------
 
 class NoisyForward(nn.Module):
-    """Randomness written in forward, not in a module: F.dropout(training=True), or added noise."""
+    """Randomness written in forward, not in a module: F.dropout(training=True), added noise, or noise from a
+    generator the model holds (which the default generators' states cannot show)."""
 
     def __init__(self, how):
         super().__init__()
         self.how, self.inp, self.out = how, nn.Linear(4, 6), nn.Linear(6, 3)
+        self.g = torch.Generator().manual_seed(38)
 
     def forward(self, x):
         h = torch.tanh(self.inp(x))
-        h = F.dropout(h, 0.3, training=True) if self.how == "dropout" else h + 0.01 * torch.randn_like(h)
-        return self.out(h)
+        if self.how == "dropout":
+            return self.out(F.dropout(h, 0.3, training=True))
+        noise = torch.randn(h.shape, generator=self.g, dtype=h.dtype) if self.how == "own generator" else torch.randn_like(h)
+        return self.out(h + 0.01 * noise)
 
 
 X4, T4 = data(6, 4, 3, seed=5)
@@ -167,17 +171,18 @@ CURVATURE = {
 }
 
 
-@pytest.mark.parametrize("how", ["dropout", "noise"])
+@pytest.mark.parametrize("how", ["dropout", "noise", "own generator"])
 @pytest.mark.parametrize("recipe", list(CURVATURE))
 def test_randomness_written_in_forward_is_refused_and_the_generator_restored(recipe, how):
-    """Before: param_hvp answered (a different answer each call), ggn_diagonal died inside vmap. The check by module
-    type cannot see these; the generators' states can. The refusal leaves the global generator where it was."""
+    """Before: param_hvp answered (a different answer each call), ggn_diagonal died inside vmap; and with noise from a
+    generator the model holds, every recipe answered. The check by module type cannot see these; the generators'
+    states can. The refusal leaves the global generator, and the model's, where they were."""
     torch.manual_seed(36)
     model = NoisyForward(how).double()
-    state = torch.get_rng_state()
+    state, own = torch.get_rng_state(), model.g.get_state()
     with pytest.raises(ValueError, match="drew random numbers in its forward pass.*call model.eval"):
         CURVATURE[recipe](model, X4, T4)
-    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(torch.get_rng_state(), state) and torch.equal(model.g.get_state(), own)
 
 
 def test_a_deterministic_model_leaves_the_generator_alone():

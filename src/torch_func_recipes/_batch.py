@@ -54,7 +54,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -79,15 +79,26 @@ def _cuda_devices(model: nn.Module, batch: _Batch) -> list[int]:
     return sorted({t.device.index or 0 for t in [*batch.tensors(), *model.parameters()] if t.device.type == "cuda"})
 
 
-def _generator_states(cuda: list[int]) -> list[torch.Tensor]:
-    """The states of the default generators: the CPU's and those of the CUDA devices given. A forward pass that
-    drew random numbers (F.dropout, a float dropout rate, noise added by hand, not only a Dropout module) changed
-    one of them."""
-    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda)]
+def _held_generators(model: nn.Module) -> list[torch.Generator]:
+    """The torch.Generator objects the model holds: attributes of its modules, or items of a list, tuple or dict
+    there (a generator of the model's own, which a forward pass may draw from or re-seed)."""
+    found: dict[int, torch.Generator] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            found.update((id(item), item) for item in items if isinstance(item, torch.Generator))
+    return list(found.values())
 
 
-def _drew_random_numbers(before: list[torch.Tensor], cuda: list[int]) -> bool:
-    return not all(torch.equal(a, b) for a, b in zip(before, _generator_states(cuda)))
+def _generator_states(cuda: list[int], held: Sequence[torch.Generator] = ()) -> list[torch.Tensor]:
+    """The states of the default generators, the CPU's and those of the CUDA devices given, and of the generators
+    the model holds. A forward pass that drew random numbers (F.dropout, a float dropout rate, noise added by hand,
+    not only a Dropout module) changed one of them."""
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda), *(g.get_state() for g in held)]
+
+
+def _drew_random_numbers(before: list[torch.Tensor], cuda: list[int], held: Sequence[torch.Generator] = ()) -> bool:
+    return not all(torch.equal(a, b) for a, b in zip(before, _generator_states(cuda, held)))
 
 
 def _random_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -283,9 +294,11 @@ def _clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (norms + 1e-6)).clamp(max=1.0)
 
 
-# Checks of _check_examples_apart that passed, remembered per model: {model: {call signature}}. A model that
-# is freed takes its entry with it.
+# Checks of _check_examples_apart that passed (or were left undone), remembered per model: {model: {call
+# signature}}; and whether the model's forward pass drew random numbers, {model: {call signature: bool}}. A model
+# that is freed takes its entries with it.
 _APART: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_DRAWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _per_model(memory: weakref.WeakKeyDictionary, model: Any, empty: Callable[[], Any]) -> Any:
@@ -329,12 +342,14 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     sizes stays far below). Cost: three forward passes of one or two examples, on every path (the fast path's
     trace sees each operation, but not a Python number read from a tensor: the batch's size in `h / x.shape[0]`,
     or `.tolist()`). Not run for a batch of one; nor for a model with a random module in training mode, or whose
-    forward pass draws from the default generators at all (F.dropout, noise by hand), whose draws differ between
-    the passes (the passes leave the generators as they were); nor where a forward pass raises (the recipe then
-    meets the error itself, on its own path). A model that mixes examples only beyond the first two, or only
-    through randomness, is not detected; nor is a model that draws random numbers and also reads the batch's size
-    (the check is left undone for it, and the trace cannot see the size); a model that draws from a generator of
-    its own (not a default one) is refused, since its passes' draws differ, and that generator moves. A check
+    forward pass draws random numbers at all (F.dropout, noise by hand, from a default generator or one the model
+    holds, _held_generators), whose draws differ between the passes (the passes leave those generators as they
+    found them); nor where a forward pass raises (the recipe then meets the error itself,
+    on its own path). A model that mixes examples only beyond the first two, or only through randomness, is not
+    detected; nor is a model that draws random numbers and also reads the batch's size (the check is left undone
+    for it, and the trace cannot see the size); a model drawing from a generator it does not hold (a global one) is
+    refused, since its passes' draws differ, and that generator moves. Whether the first pass drew is remembered too
+    (_remembered_draws). A check
     passed or left undone is remembered for the model and the call's signature (_call_signature: shapes, dtypes,
     devices, non-tensor arguments, train/eval modes, grad mode), so a training loop pays it once, not every step
     (a quarter of a small transformer's per-sample gradients otherwise); a model that mixes examples only for
@@ -345,23 +360,32 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     passed = _per_model(_APART, model, set)
     if signature is not None and signature in passed or _random_modules(model):
         return
+    held = _held_generators(model)
+    saved = [g.get_state() for g in held]
     try:
         cuda = _cuda_devices(model, batch)
-        # the caller's generators are left as they were; a pass that drew random numbers (dropout by F.dropout or
-        # a float rate, noise by hand) cannot be compared with another, so the check is left undone, and remembered
+        # the caller's generators are left as they were (the default ones by fork_rng, those the model holds put
+        # back below); a pass that drew random numbers (dropout by F.dropout or a float rate, noise by hand, from one
+        # of them) cannot be compared with another, so the check is left undone, and remembered
         with torch.no_grad(), contextlib.ExitStack() as context, torch.random.fork_rng(devices=cuda):
             for device in {t.device.type for t in batch.tensors()} | {"cpu"}:
                 if torch.is_autocast_enabled(device):
                     context.enter_context(torch.autocast(device, enabled=False))
-            before = _generator_states(cuda)
+            before = _generator_states(cuda, held)
             together = tree_flatten(batch.rows(slice(0, 2)).call(model))[0]
-            if _drew_random_numbers(before, cuda):
+            drew = _drew_random_numbers(before, cuda, held)
+            if signature is not None:
+                _per_model(_DRAWS, model, dict)[signature] = drew
+            if drew:
                 if signature is not None:
                     passed.add(signature)
                 return
             alone = [tree_flatten(batch.rows(slice(n, n + 1)).call(model))[0] for n in (0, 1)]
     except Exception:  # any error: the recipe's own path meets it and reports it (no message is read here)
         return
+    finally:
+        for generator, state in zip(held, saved):
+            generator.set_state(state)
     for k, joint in enumerate(together):
         if not (isinstance(joint, torch.Tensor) and joint.is_floating_point() and joint.dim() >= 1 and joint.shape[0] == 2):
             continue
@@ -379,6 +403,15 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
                              "of its own; compute it per example (BatchNorm: model.eval(), or GroupNorm/LayerNorm)")
     if signature is not None:
         passed.add(signature)
+
+
+def _remembered_draws(model: nn.Module, batch: _Batch) -> bool:
+    """Whether the model's forward pass draws random numbers, as far as known without running it: a random module
+    in training mode, or a draw _check_examples_apart saw and remembered for the call's signature."""
+    if _random_modules(model):
+        return True
+    signature = _call_signature(model, batch)
+    return signature is not None and _per_model(_DRAWS, model, dict).get(signature, False)
 
 
 def _gradients_enabled(recipe: Callable[..., Any]) -> Callable[..., Any]:

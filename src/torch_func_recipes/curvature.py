@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, jacrev, vjp, vmap
 
-from ._batch import _as_batch, _check_chunk_size, _check_model, _gradients_enabled
+from ._batch import _as_batch, _check_chunk_size, _check_model, _gradients_enabled, _held_generators
 from .output_jacobians import output_jacobian
 from .per_sample import per_sample_grads
 
@@ -48,23 +48,28 @@ def _refuse_above(max_memory, numbers_held, dtype, what, advice):
 
 
 @contextlib.contextmanager
-def _no_random_draws(device):
-    """Refuse a forward pass (or loss) that draws random numbers: the generators' states must not move. The
-    check curvlinops' check_deterministic makes, by the generators rather than by two calls: it catches
-    randomness written in a forward (F.dropout(training=True), torch.randn), which the check of module types
-    misses, at no extra cost. The states are restored before the error. Not caught: draws from a generator of the
-    model's own, or from Python's or NumPy's."""
+def _no_random_draws(device, held=()):
+    """Refuse a forward pass (or loss) that draws random numbers: the generators' states must not move (the default
+    ones, and `held`, the generators the model holds: _batch._held_generators). The check curvlinops'
+    check_deterministic makes, by the generators rather than by two calls: it catches randomness written in a forward
+    (F.dropout(training=True), torch.randn, noise from a generator of the model's own), which the check of module
+    types misses, at no extra cost. The states are restored before the error. Not caught: draws from a generator the
+    model does not hold (a global one), or from Python's or NumPy's."""
     cuda = device.type == "cuda"
     cpu_before = torch.get_rng_state()
     cuda_before = torch.cuda.get_rng_state(device) if cuda else cpu_before
+    held_before = [g.get_state() for g in held]
     yield
     moved = not torch.equal(cpu_before, torch.get_rng_state())
     if cuda:
         moved = moved or not torch.equal(cuda_before, torch.cuda.get_rng_state(device))
+    moved = moved or not all(torch.equal(state, g.get_state()) for g, state in zip(held, held_before))
     if moved:
         torch.set_rng_state(cpu_before)
         if cuda:
             torch.cuda.set_rng_state(cuda_before, device)
+        for g, state in zip(held, held_before):
+            g.set_state(state)
         raise ValueError("the model (or loss_fn) drew random numbers in its forward pass, so the loss is a different "
                          "function on every call and has no curvature to measure: call model.eval(), or take the "
                          "randomness (dropout, noise) out of forward")
@@ -138,7 +143,7 @@ class _Data:
         if len(x) == 1:
             x2, t2 = next(batches)
             x, t = torch.cat([x, x2[:1]]), torch.cat([t, t2[:1]])
-        with torch.no_grad(), _no_random_draws(self.device):
+        with torch.no_grad(), _no_random_draws(self.device, _held_generators(self.model)):
             outputs = functional_call(self.model, self.params, (x,))
         return _loss_weight(self.loss_fn, outputs, t) != 1.0
 
@@ -177,8 +182,10 @@ def _scalar(loss):
 def _loss_of_params(model, loss_fn, inputs, targets):
     """The function params -> loss_fn(model(inputs), targets), checked to be one number drawn without randomness."""
 
+    held = _held_generators(model)
+
     def loss(params):
-        with _no_random_draws(inputs.device):
+        with _no_random_draws(inputs.device, held):
             return _scalar(loss_fn(functional_call(model, params, (inputs,)), targets))
 
     return loss
@@ -324,7 +331,7 @@ def ggn_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, 
 
 def _ggn_vp_of_batch(model, loss_fn, inputs, targets, params, vector):
     leaves = _leaves(params)
-    with torch.enable_grad(), _no_random_draws(inputs.device):
+    with torch.enable_grad(), _no_random_draws(inputs.device, _held_generators(model)):
         outputs = functional_call(model, leaves, (inputs,))
     with torch.enable_grad():
         u = torch.zeros_like(outputs, requires_grad=True)
@@ -342,7 +349,7 @@ def _ggn_vp_of_batch(model, loss_fn, inputs, targets, params, vector):
 def _example_weight(model, loss_fn, inputs, targets, params):
     """w such that loss_fn(model(inputs), targets) is w times the sum of the examples' own losses: 1/B for a mean, 1 for
     a sum (anything else is refused), read from the batch's outputs (one forward pass, no model under vmap)."""
-    with torch.no_grad(), _no_random_draws(inputs.device):
+    with torch.no_grad(), _no_random_draws(inputs.device, _held_generators(model)):
         outputs = functional_call(model, params, (inputs,))
     return _loss_weight(loss_fn, outputs, targets)
 
@@ -531,7 +538,7 @@ def _ggn_diagonal_of_batch(model, loss_fn, inputs, targets, params, per_sample, 
     hooks = [m.register_forward_hook(lambda m, args, out: calls[id(m)].append((args, out))) for m in modules]
     leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
     try:
-        with torch.enable_grad(), _no_random_draws(inputs.device):
+        with torch.enable_grad(), _no_random_draws(inputs.device, _held_generators(model)):
             outputs = functional_call(model, leaves, (inputs,))
     finally:
         for hook in hooks:
@@ -922,7 +929,7 @@ def gauss_newton_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], in
     P = sum(p.numel() for p in params.values())
     jacobians, residuals, hessians = [], [], []
     for x, t, c in data:
-        with _no_random_draws(x.device):
+        with _no_random_draws(x.device, _held_generators(model)):
             outputs = functional_call(model, params, (x,))
         n = outputs.numel()
         if not jacobians:

@@ -25,9 +25,11 @@ from ._batch import (
     _drew_random_numbers,
     _generator_states,
     _Grads,
+    _held_generators,
     _Inputs,
     _LossFn,
     _random_modules,
+    _remembered_draws,
     _row_squares,
     _scalar_loss,
     _Unbatched,
@@ -761,8 +763,8 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             result, how = _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size, path)
             return (result, how) if report else result
         weights = _clip_factors(norms.detach().clone(), max_norm)  # clone: norms made under inference_mode
-        cuda = _cuda_devices(model, batch)
-        before = _generator_states(cuda)  # a forward pass that draws random numbers is not the one the norms came from
+        cuda, held = _cuda_devices(model, batch), _held_generators(model)
+        before = _generator_states(cuda, held)  # a forward pass that draws random numbers is not the one the norms came from
         output = None
         reason, owners = _fast_path_screen(model, trainable, "norms", path, batch)
         if reason is None:  # the plain batched forward, where a trace shows it exact
@@ -775,7 +777,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             raise ValueError(f"the fast path does not apply: {reason}")
         else:
             grads, how = _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason)
-        if _drew_random_numbers(before, cuda):
+        if _drew_random_numbers(before, cuda, held) or _remembered_draws(model, batch):
             raise ValueError("norms were given, but the model's forward pass draws random numbers (F.dropout, a dropout "
                              "rate, noise): the norms came from other draws, so the clipping bound would not hold; "
                              "leave norms out (one forward pass then gives both) or call model.eval()")
