@@ -48,6 +48,11 @@ def saved_output(h):
     return grad_fn._saved_result if grad_fn is not None else h.exp()
 
 
+def reseeded_offset(m, h):
+    m.g.manual_seed(3)
+    return h + 0.1 * torch.randn(1, h.shape[1], generator=m.g, dtype=h.dtype).to(h.device)
+
+
 def attend(h):
     """Self-attention of each example's 8 features as 2 tokens of 4, by scaled_dot_product_attention (4-D inputs: its
     fused kernel on a CPU, float64 included)."""
@@ -106,6 +111,11 @@ CASES = {
     # attention's fused kernels are tagged as operations that may draw random numbers (their dropout), at a rate of 0
     # too: the check must not take the tag for a draw, and leave itself undone
     "the batch's size after attention": (mixing(lambda h: attend(h) / h.shape[0]), "refused"),
+    # a forward pass that re-seeds a generator the model holds, then draws a fixed offset: deterministic, though the
+    # generator's state moves (a second pass agrees, so the check runs); reading the batch's size as well, refused
+    "a generator re-seeded in forward": (net(lambda m, x: m.b(reseeded_offset(m, torch.tanh(m.a(x)))), g=torch.Generator()), "fast"),
+    "a generator re-seeded in forward, the batch's size read": (
+        net(lambda m, x: m.b(reseeded_offset(m, torch.tanh(m.a(x))) / x.shape[0]), g=torch.Generator()), "refused"),
 }
 INPUTS = {"seed CNN as a class": randn(6, 1, 14, 14), "seed MLP as a class": randn(6, 1, 4, 4)}
 X = randn(6, 6)
@@ -441,6 +451,16 @@ def test_a_generator_re_seeded_in_forward_ends_where_one_plain_pass_leaves_it(re
     total = torch.autograd.grad(F.cross_entropy(twin(X), TARGETS, reduction="sum"), list(twin.parameters()))
     assert model.g.initial_seed() == twin.g.initial_seed() == 4 and torch.equal(model.g.get_state(), twin.g.get_state())
     assert all(close(grads[name].sum(0), g) for (name, _), g in zip(twin.named_parameters(), total))
+
+
+def test_the_generators_a_model_holds(recipes):
+    """_held_generators finds a generator held as an attribute of any module, or in a list, tuple or dict there."""
+    g = [torch.Generator() for _ in range(5)]
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model.g, model[0].pair, model[1].table, model[1].nested = g[0], (g[1], 1.0), {"noise": g[2], "other": 3}, [[g[4]]]
+    model[0].several = [g[3], g[0]]
+    found = recipes["_held_generators"](model)
+    assert len(found) == 4 and {id(x) for x in found} == {id(x) for x in g[:4]}  # each once, not the nested one
 
 
 def test_a_higher_order_operator_does_not_hide_a_model_that_mixes_examples(recipes):

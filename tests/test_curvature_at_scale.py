@@ -141,7 +141,8 @@ def test_the_arguments_of_top_hessian_eigenvalues_are_checked():
 
 class NoisyForward(nn.Module):
     """Randomness written in forward, not in a module: F.dropout(training=True), added noise, or noise from a
-    generator the model holds (which the default generators' states cannot show)."""
+    generator the model holds (which the default generators' states cannot show), in every pass or only in those
+    that record gradients (every pass a recipe runs, the per-example and Jacobian ones inside it too, is checked)."""
 
     def __init__(self, how):
         super().__init__()
@@ -152,7 +153,9 @@ class NoisyForward(nn.Module):
         h = torch.tanh(self.inp(x))
         if self.how == "dropout":
             return self.out(F.dropout(h, 0.3, training=True))
-        noise = torch.randn(h.shape, generator=self.g, dtype=h.dtype) if self.how == "own generator" else torch.randn_like(h)
+        if self.how == "own generator, with gradients only" and not torch.is_grad_enabled():
+            return self.out(h)
+        noise = torch.randn(h.shape, generator=self.g, dtype=h.dtype) if "own" in self.how else torch.randn_like(h)
         return self.out(h + 0.01 * noise)
 
 
@@ -171,7 +174,7 @@ CURVATURE = {
 }
 
 
-@pytest.mark.parametrize("how", ["dropout", "noise", "own generator"])
+@pytest.mark.parametrize("how", ["dropout", "noise", "own generator", "own generator, with gradients only"])
 @pytest.mark.parametrize("recipe", list(CURVATURE))
 def test_randomness_written_in_forward_is_refused_and_the_generator_restored(recipe, how):
     """Before: param_hvp answered (a different answer each call), ggn_diagonal died inside vmap; and with noise from a

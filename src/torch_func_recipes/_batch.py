@@ -80,16 +80,18 @@ def _cuda_devices(model: nn.Module, batch: _Batch) -> list[int]:
 
 
 def _held_generators(model: nn.Module) -> list[torch.Generator]:
-    """The torch.Generator objects the model holds: attributes of its modules, or items of a list or tuple there (a
-    generator of the model's own, which a forward pass may draw from or re-seed). About 2 us a module."""
+    """The torch.Generator objects the model holds: attributes of its modules, or items of a list, tuple or dict there
+    (a generator of the model's own, which a forward pass may draw from or re-seed); not one deeper (in a nested list
+    or another object's attribute). About 2 us a module."""
     found: dict[int, torch.Generator] = {}
     for module in model.modules():
         for value in vars(module).values():
             kind = type(value)  # `is`, not isinstance: 4x faster over the many attributes of a large model
             if kind is torch.Generator:
                 found[id(value)] = value
-            elif kind is list or kind is tuple:
-                found.update((id(item), item) for item in value if type(item) is torch.Generator)
+            elif kind is list or kind is tuple or kind is dict:
+                items = value.values() if kind is dict else value
+                found.update((id(item), item) for item in items if type(item) is torch.Generator)
     return list(found.values())
 
 
@@ -346,8 +348,9 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     trace sees each operation, but not a Python number read from a tensor: the batch's size in `h / x.shape[0]`,
     or `.tolist()`). Not run for a batch of one; nor for a model with a random module in training mode, or whose
     forward pass draws random numbers at all (F.dropout, noise by hand, from a default generator or one the model
-    holds, _held_generators), whose draws differ between the passes (the passes leave those generators as they
-    found them); nor where a forward pass raises (the recipe then meets the error itself,
+    holds, _held_generators: a pass that moved one runs once more, from where it left them, and a model whose
+    outputs then differ draws; one that re-seeds a generator and agrees does not), whose draws differ between the
+    passes (the passes leave those generators as they found them); nor where a forward pass raises (the recipe then meets the error itself,
     on its own path). A model that mixes examples only beyond the first two, or only through randomness, is not
     detected; nor is a model that draws random numbers and also reads the batch's size (the check is left undone
     for it, and the trace cannot see the size); a model drawing from a generator it does not hold (a global one) is
@@ -376,7 +379,10 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
                     context.enter_context(torch.autocast(device, enabled=False))
             before = _generator_states(cuda, held)
             together = tree_flatten(batch.rows(slice(0, 2)).call(model))[0]
-            drew = _drew_random_numbers(before, cuda, held)
+            # a moved generator means random draws, or a pass that re-seeds a generator and is deterministic: a second
+            # pass, from where the first left the generators, gives other outputs only in the first case
+            drew = _drew_random_numbers(before, cuda, held) and not _outputs_agree(
+                together, tree_flatten(batch.rows(slice(0, 2)).call(model))[0])
             if signature is not None:
                 _per_model(_DRAWS, model, dict)[signature] = drew
             if drew:
@@ -396,7 +402,7 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
         if len(parts) != 2:
             continue
         separate = torch.cat(parts)
-        scale, tolerance = joint.abs().max().item(), max(1e-5, 16 * torch.finfo(joint.dtype).eps)
+        scale, tolerance = joint.abs().max().item(), _tolerance(joint)
         if not torch.allclose(joint, separate, rtol=tolerance, atol=tolerance * scale):
             gap = (joint - separate).abs().max().item() / max(scale, torch.finfo(joint.dtype).tiny)
             raise ValueError("the model's output for one example depends on the other examples of the batch (its first "
@@ -406,6 +412,31 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
                              "of its own; compute it per example (BatchNorm: model.eval(), or GroupNorm/LayerNorm)")
     if signature is not None:
         passed.add(signature)
+
+
+def _tolerance(output: torch.Tensor) -> float:
+    """The check's relative tolerance for an output: 1e-5, or 16 roundings of a dtype coarser than float32."""
+    return max(1e-5, 16 * torch.finfo(output.dtype).eps)
+
+
+def _outputs_agree(first: list, second: list) -> bool:
+    """Whether two passes' flattened outputs agree: floating tensors to _tolerance, relative to the largest entry,
+    other tensors exactly (what is not a tensor is not compared)."""
+    if len(first) != len(second):
+        return False
+    for a, b in zip(first, second):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                return False
+            if not a.is_floating_point():
+                if not torch.equal(a, b):
+                    return False
+                continue
+            tolerance = _tolerance(a)
+            scale = a.abs().max().item() if a.numel() else 0.0
+            if not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale, equal_nan=True):
+                return False
+    return True
 
 
 def _remembered_draws(model: nn.Module, batch: _Batch) -> bool:

@@ -54,7 +54,9 @@ def _no_random_draws(device, held=()):
     check_deterministic makes, by the generators rather than by two calls: it catches randomness written in a forward
     (F.dropout(training=True), torch.randn, noise from a generator of the model's own), which the check of module
     types misses, at no extra cost. The states are restored before the error. Not caught: draws from a generator the
-    model does not hold (a global one), or from Python's or NumPy's."""
+    model does not hold (a global one), or from Python's or NumPy's. Refused though deterministic: a pass that
+    re-seeds a generator it holds (the state moves; the examples' check runs such a pass twice to tell, which
+    every curvature pass would double)."""
     cuda = device.type == "cuda"
     cpu_before = torch.get_rng_state()
     cuda_before = torch.cuda.get_rng_state(device) if cuda else cpu_before
@@ -413,11 +415,13 @@ def _per_example_gradients(model, loss_fn, data, params, max_memory):
     P = sum(p.numel() for p in params.values())
     _refuse_above(max_memory, 2 * P, first.dtype, f"one example's gradient and a temporary (2 P = {2 * P:,} numbers)",
                   "the model is too large for this budget")
-    rows = int(max_memory // (2 * P * first.dtype.itemsize))
+    rows, held = int(max_memory // (2 * P * first.dtype.itemsize)), _held_generators(model)
     for x, t, c in data:
         weight = _example_weight(model, loss_fn, x, t, params)
         for start in range(0, len(x), rows):
-            yield c, weight, per_sample_grads(model, lambda out, t: _scalar(loss_fn(out, t)), x[start:start + rows], t[start:start + rows])
+            with _no_random_draws(x.device, held):  # its pass, with gradients on, is checked too
+                grads = per_sample_grads(model, lambda out, t: _scalar(loss_fn(out, t)), x[start:start + rows], t[start:start + rows])
+            yield c, weight, grads
 
 
 def _loss_weight(loss_fn, outputs, targets):
@@ -543,7 +547,8 @@ def _ggn_diagonal_of_batch(model, loss_fn, inputs, targets, params, per_sample, 
     finally:
         for hook in hooks:
             hook.remove()
-    with torch.no_grad():  # each example alone: by vmap, or by a loop where a recurrent module cannot run under vmap
+    # each example alone: by vmap, or by a loop where a recurrent module cannot run under vmap
+    with torch.no_grad(), _no_random_draws(inputs.device, _held_generators(model)):
         if any(isinstance(m, nn.RNNBase) for m in modules):
             alone = torch.cat([functional_call(model, params, (inputs[n:n + 1],)) for n in range(len(inputs))])
         else:
@@ -613,7 +618,8 @@ def _ggn_diagonal_by_vmap(model, params, inputs, lam, cotangents, chunk_size=Non
     sizes, shares, chunk_size = [p.numel() for p in params.values()], [], chunk_size or len(inputs)
     for start in range(0, len(inputs), chunk_size):
         rows = slice(start, start + chunk_size)
-        J = cast(torch.Tensor, output_jacobian(model, inputs[rows], select=lambda out: out.reshape(len(out), -1)))  # (c, Y, P)
+        with _no_random_draws(inputs.device, _held_generators(model)):
+            J = cast(torch.Tensor, output_jacobian(model, inputs[rows], select=lambda out: out.reshape(len(out), -1)))  # (c, Y, P)
         columns = torch.einsum("cyp,kcy->kcp", J, cotangents[:, rows].reshape(len(lam), J.shape[0], -1))  # J_n^T u_k
         shares.append(torch.einsum("kc,kcp->cp", lam[:, rows], columns**2))
     share = torch.cat(shares)
@@ -938,7 +944,8 @@ def gauss_newton_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], in
                           f"the (N*Y, P) = ({rows:,}, {P:,}) output Jacobian and two (N*Y)^2 matrices",
                           "use fewer examples")
         # (B*Y, P): output_jacobian, with its fast path and its fall-backs (a GRU or LSTM unrolled, else a loop)
-        jacobians.append(output_jacobian(model, x, select=lambda out: out.reshape(len(out), -1)).reshape(n, P))
+        with _no_random_draws(x.device, _held_generators(model)):
+            jacobians.append(output_jacobian(model, x, select=lambda out: out.reshape(len(out), -1)).reshape(n, P))
         loss_of_outputs = lambda o, t=t, c=c: c * _scalar(loss_fn(o, t))
         residuals.append(grad(loss_of_outputs)(outputs).reshape(n))
         # jacrev of grad: the composition that is right through every layer (torch.func.hessian, jacfwd of
