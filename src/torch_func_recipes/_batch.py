@@ -106,6 +106,15 @@ def _drew_random_numbers(before: list[torch.Tensor], cuda: list[int], held: Sequ
     return not all(torch.equal(a, b) for a, b in zip(before, _generator_states(cuda, held)))
 
 
+def _set_generator_states(states: list[torch.Tensor], cuda: list[int], held: Sequence[torch.Generator] = ()) -> None:
+    """Puts back the states _generator_states(cuda, held) returned."""
+    torch.set_rng_state(states[0])
+    for device, state in zip(cuda, states[1:]):
+        torch.cuda.set_rng_state(state, device)
+    for generator, state in zip(held, states[1 + len(cuda):]):
+        generator.set_state(state)
+
+
 def _random_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every module of the model that draws random numbers in its forward now: a Dropout with
     p > 0 or an RReLU, in training mode. The one test of randomness the recipes share."""
@@ -350,16 +359,16 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     forward pass draws random numbers at all (F.dropout, noise by hand, from a default generator or one the model
     holds, _held_generators: a pass that moved one runs once more, from where it left them, and a model whose
     outputs then differ draws; one that re-seeds a generator and agrees does not), whose draws differ between the
-    passes (the passes leave those generators as they found them); nor where a forward pass raises (the recipe then meets the error itself,
-    on its own path). A model that mixes examples only beyond the first two, or only through randomness, is not
-    detected; nor is a model that draws random numbers and also reads the batch's size (the check is left undone
-    for it, and the trace cannot see the size); a model drawing from a generator it does not hold (a global one) is
-    refused, since its passes' draws differ, and that generator moves. Whether the first pass drew is remembered too
-    (_remembered_draws). A check
-    passed or left undone is remembered for the model and the call's signature (_call_signature: shapes, dtypes,
-    devices, non-tensor arguments, train/eval modes, grad mode), so a training loop pays it once, not every step
-    (a quarter of a small transformer's per-sample gradients otherwise); a model that mixes examples only for
-    some values of its inputs or parameters, or only in calls after the first, is not detected either."""
+    passes (the passes leave those generators as they found them); nor where a forward pass raises (the recipe
+    then meets the error itself, on its own path). A model that mixes examples only beyond the first two, or only
+    through randomness, is not detected; nor is a model that draws random numbers and also reads the batch's size
+    (the check is left undone for it, and the trace cannot see the size); a model drawing from a generator it does
+    not hold (a global one) is refused, since its passes' draws differ, and that generator moves. Whether the first
+    pass drew is remembered too (_remembered_draws). A check passed or left undone is remembered for the model and
+    the call's signature (_call_signature: shapes, dtypes, devices, non-tensor arguments, train/eval modes, grad
+    mode), so a training loop pays it once, not every step (a quarter of a small transformer's per-sample
+    gradients otherwise); a model that mixes examples only for some values of its inputs or parameters, or only in
+    calls after the first, is not detected either."""
     if len(batch) < 2:
         return
     signature = _call_signature(model, batch)

@@ -7,8 +7,9 @@ only group k's input channels, whose entries are one contiguous block of each pa
 weight gradient can also come without im2col: by the batch gradient's own kernel with the examples as
 groups, or, for one input channel per group, by a forward convolution of the input with the output
 gradient as the kernel; _weight_way picks the fastest way by device and size. A convolution whose
-parameters are all frozen passes through with one row per example. Registered in _layers; also copied, without this docstring, into the notebook cells tagged
-`shared-package` by scripts/build_shared.py: edit it here.
+parameters are all frozen passes through with one row per example. Registered in _layers; also copied,
+without this docstring, into the notebook cells tagged `shared-package` by scripts/build_shared.py: edit
+it here.
 """
 
 from __future__ import annotations

@@ -27,7 +27,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, jacrev, vjp, vmap
 
-from ._batch import _as_batch, _check_chunk_size, _check_model, _gradients_enabled, _held_generators
+from ._batch import (
+    _as_batch,
+    _check_chunk_size,
+    _check_model,
+    _drew_random_numbers,
+    _generator_states,
+    _gradients_enabled,
+    _held_generators,
+    _set_generator_states,
+)
 from .output_jacobians import output_jacobian
 from .per_sample import per_sample_grads
 
@@ -57,21 +66,11 @@ def _no_random_draws(device, held=()):
     model does not hold (a global one), or from Python's or NumPy's. Refused though deterministic: a pass that
     re-seeds a generator it holds (the state moves; the examples' check runs such a pass twice to tell, which
     every curvature pass would double)."""
-    cuda = device.type == "cuda"
-    cpu_before = torch.get_rng_state()
-    cuda_before = torch.cuda.get_rng_state(device) if cuda else cpu_before
-    held_before = [g.get_state() for g in held]
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    before = _generator_states(cuda, held)
     yield
-    moved = not torch.equal(cpu_before, torch.get_rng_state())
-    if cuda:
-        moved = moved or not torch.equal(cuda_before, torch.cuda.get_rng_state(device))
-    moved = moved or not all(torch.equal(state, g.get_state()) for g, state in zip(held, held_before))
-    if moved:
-        torch.set_rng_state(cpu_before)
-        if cuda:
-            torch.cuda.set_rng_state(cuda_before, device)
-        for g, state in zip(held, held_before):
-            g.set_state(state)
+    if _drew_random_numbers(before, cuda, held):
+        _set_generator_states(before, cuda, held)
         raise ValueError("the model (or loss_fn) drew random numbers in its forward pass, so the loss is a different "
                          "function on every call and has no curvature to measure: call model.eval(), or take the "
                          "randomness (dropout, noise) out of forward")
