@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 import nbformat
 import pytest
 
-from bookcheck import notebooks
+from bookcheck import ROOT, notebooks
 
 
 def broken_links(site, tmp_path) -> list[str]:
@@ -62,3 +62,61 @@ def test_every_page_names_the_licences(site):
     pages = sorted((site / "book").glob("*.html"))
     assert len(pages) == len(notebooks()) + 1  # and the package reference, book/reference.rst
     assert [p.name for p in pages if not ("CC BY 4.0" in (text := p.read_text()) and "BSD 3-Clause" in text)] == []
+
+
+# --- long code cells: shown as blocks Chromium can lay out (book/_ext/site_fixes.py, fix 3) ---------
+
+sys.path.insert(0, str(ROOT / "book" / "_ext"))
+from site_fixes import MAX_BLOCK_LINES, code_blocks  # noqa: E402
+
+
+def longest_input_block(page: str) -> int:
+    """Lines in the longest <pre> of a code cell's source on a built page."""
+    longest = 0
+    for cell_input in page.split('<div class="cell_input')[1:]:
+        cell_input = cell_input.split('<div class="cell_output')[0].split('<div class="cell ')[0]
+        longest = max([longest] + [block.split("</pre>")[0].count("\n") for block in cell_input.split("<pre")[1:]])
+    return longest
+
+
+def test_no_code_cell_is_shown_as_one_long_block(site):
+    """The folded package (about 4,700 lines) is shown in blocks of at most MAX_BLOCK_LINES lines, save a
+    top-level statement that is longer (a class); without the split this finds the 4,700-line block."""
+    longest = {p.name: longest_input_block(p.read_text()) for p in sorted((site / "book").glob("*.html"))}
+    assert longest["03_per_sample_gradients.html"] > 100, longest  # the package's blocks were found
+    assert {name: n for name, n in longest.items() if n > 2 * MAX_BLOCK_LINES} == {}
+
+
+def test_longest_input_block_finds_a_long_block():
+    block = '<div class="cell_input"><div class="highlight"><pre>' + "x = 1\n" * 500 + "</pre></div></div>"
+    assert longest_input_block('<div class="cell docutils">' + block + '<div class="cell_output"><pre>'
+                               + "out\n" * 900 + "</pre></div></div>") == 500
+
+
+def _module(definitions: int) -> str:
+    """Top-level statements of 10 lines each: a decorated function under a comment, alternating with a class."""
+    parts = []
+    for i in range(definitions):
+        if i % 2:
+            parts.append(f"# what f{i} does\n@staticmethod\ndef f{i}(x):\n" + "    x = x + 1\n" * 6 + "    return x\n")
+        else:
+            parts.append(f"class C{i}:\n" + "    a = 1\n" * 8 + "\n")
+    return "".join(parts)
+
+
+def test_code_blocks_cuts_before_top_level_statements():
+    source = _module(100)  # 1,000 lines
+    pieces = code_blocks(source, limit=95)
+    assert "".join(pieces) == source and len(pieces) == 12
+    assert all(p.count("\n") <= 95 for p in pieces)
+    assert all(p.startswith(("class C", "# what f")) for p in pieces), [p[:20] for p in pieces]
+
+
+def test_code_blocks_leaves_what_it_cannot_cut():
+    short, unparsable = _module(5), _module(100) + "def broken(:\n"
+    long_statement = "values = [\n" + "    1,\n" * 500 + "]\n"
+    assert code_blocks(short, limit=95) == [short]
+    assert code_blocks(unparsable, limit=95) == [unparsable]
+    assert code_blocks(long_statement, limit=95) == [long_statement]
+    *before, last = code_blocks(_module(20) + long_statement, limit=95)
+    assert last == long_statement and "".join(before) == _module(20) and max(p.count("\n") for p in before) <= 95
