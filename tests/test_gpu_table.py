@@ -2,6 +2,7 @@
 plain vmap(grad) on six transformers families, float32 and bfloat16 autocast) pass, and a recipe that is wrong
 stops it before any timing. The timing cells are skipped here (--deadline 0): a timing never decides a test."""
 import json
+import re
 
 import pytest
 import torch
@@ -65,3 +66,15 @@ def test_the_cpu_table_options_narrow_the_run(tmp_path):
     assert [(c["family"], c["B"], c["dtype"]) for c in record["cells"]] == [("Llama", 4, "float32")]
     assert set(record["cells"][0]["ratios"]) == {"batch", "write B*P", "per_sample_grads"}
     assert torch.cuda.is_available() or "threads" in record["hardware"]
+
+
+def test_the_profile_names_each_call_and_its_time(tmp_path, capsys):
+    """--profile times one profiled call of the batch gradient and of each recipe, in float32 and under bfloat16
+    autocast, against the time the GPU spent in kernels (none on a CPU), with each recipe's top operations."""
+    gpu_table.main(["--quick", "--profile", "--families", "Llama", "--sizes", "4", "--out", str(tmp_path / "t.json")])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("== ")]
+    calls = [line.split(": wall")[0].removeprefix("== Llama B=4 ") for line in lines]
+    assert calls == [f"{dtype} {call}" for dtype in ("f32", "bf16") for call in ("batch", "per_sample_grads", "norms", "DP step")]
+    for line in lines:
+        wall, busy = (float(v) for v in re.findall(r"wall ([\d.]+) ms \(profiled\), device kernels ([\d.]+) ms", line)[0])
+        assert wall > 0 and (busy > 0 if torch.cuda.is_available() else busy == 0), line
