@@ -12,12 +12,19 @@ import http.server
 import os
 import re
 import shutil
+import sys
 import threading
+import time
 from pathlib import Path
 
 import nbformat
 import pytest
 import yaml
+
+try:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+except ImportError:  # the tests skip (or fail under CI) in the browser fixture
+    PlaywrightTimeout = TimeoutError
 
 from bookcheck import ROOT, toc_entries
 from conftest import BROKEN_PAGES
@@ -70,9 +77,23 @@ _PAGE = """async () => {
 }"""
 
 
+# How long a page may take to load, settle and be photographed. A page of this site loads in about 2 s
+# on 2 cores; the slowest took 30 s when one long code block made the theme's script lay it out again
+# and again (book/_ext/site_fixes.py).
+LOAD_MS, SETTLE_MS, SCREENSHOT_MS = 30_000, 15_000, 30_000
+
+
 def inspect_page(browser, url: str, screenshot: Path | None = None) -> dict:
     """Open `url` in a fresh browser context that may reach nothing but the site's own server: what
-    `_PAGE` reads, with the console errors and the failed or outside requests added to its problems."""
+    `_PAGE` reads, with the console errors and the failed or outside requests added to its problems.
+    A page that does not load, settle or photograph in time gives only that problem (`timed_out`)."""
+    try:
+        return _inspect_page(browser, url, screenshot)
+    except PlaywrightTimeout as error:
+        return {"url": url, "timed_out": True, "problems": [f"timed out: {str(error).splitlines()[0]}"]}
+
+
+def _inspect_page(browser, url: str, screenshot: Path | None) -> dict:
     origin = url[:url.index("/", len("http://"))]
     problems, blocked = [], set()
 
@@ -91,11 +112,11 @@ def inspect_page(browser, url: str, screenshot: Path | None = None) -> dict:
         page.on("pageerror", lambda e: problems.append(f"script error: {e}"))
         page.on("response", lambda r: r.status >= 400 and problems.append(f"HTTP {r.status}: {r.url}"))
         page.on("requestfailed", lambda r: r.url not in blocked and problems.append(f"failed to load {r.url}: {r.failure}"))
-        page.goto(url, wait_until="load", timeout=30_000)
-        page.wait_for_load_state("networkidle", timeout=15_000)  # late requests: fonts, async scripts
+        page.goto(url, wait_until="load", timeout=LOAD_MS)
+        page.wait_for_load_state("networkidle", timeout=SETTLE_MS)  # late requests: fonts, async scripts
         report = page.evaluate(_PAGE)
         if screenshot is not None:
-            page.screenshot(path=str(screenshot), full_page=True, type="jpeg", quality=70)
+            page.screenshot(path=str(screenshot), full_page=True, type="jpeg", quality=70, timeout=SCREENSHOT_MS)
         report["problems"] = problems + report["problems"]  # a copy: closing cancels requests still in flight
     finally:
         context.close()
@@ -133,6 +154,8 @@ def expected_content(entry: str) -> dict:
 def page_problems(report: dict, entry: str) -> list[str]:
     """Everything wrong with the inspected page of `entry`, given what its notebook promises
     (`expected_content`) and the Colab button it must have."""
+    if report.get("timed_out"):
+        return list(report["problems"])
     expected, problems = expected_content(entry), list(report["problems"])
     if report["math"] != report["typeset"]:
         problems.append(f"math not typeset: {report['math'] - report['typeset']} of {report['math']} formulas")
@@ -231,3 +254,28 @@ def test_a_broken_site_is_caught(browser, broken_site):
     got = {e: sorted(page_problems(reports[e], e)) for e in wanted}
     # each problem cut to the length of the start it must have; any problem beyond those stays whole
     assert {e: [g[:len(s)] for g, s in zip(got[e], starts)] + got[e][len(starts):] for e, starts in wanted.items()} == wanted, got
+
+
+class _Stalling(_Handler):
+    """Serves the site, but answers a request for /stall.js only after 5 s: a page that needs it never loads in time."""
+
+    def do_GET(self):
+        if self.path == "/stall.js":
+            time.sleep(5)
+            self.send_error(404)
+        else:
+            super().do_GET()
+
+
+def test_a_page_that_times_out_fails_alone(browser, tmp_path, monkeypatch):
+    """A page that does not load in time is reported as such, and the pages after it are still inspected
+    (before, one timeout stopped the whole site's fixture and every page's test errored)."""
+    icon = '<link rel="icon" href="data:,">'
+    (tmp_path / "stalls.html").write_text(f'<html><head>{icon}<script src="/stall.js"></script></head><body>x</body></html>')
+    (tmp_path / "fine.html").write_text(f"<html><head>{icon}</head><body>fine</body></html>")
+    monkeypatch.setattr(sys.modules[__name__], "LOAD_MS", 2_000)
+    monkeypatch.setattr(sys.modules[__name__], "_Handler", _Stalling)
+    reports = inspect_site(browser, tmp_path, ["stalls", "fine"])
+    assert [p[:len("timed out: Page.goto: Timeout 2000ms")] for p in page_problems(reports["stalls"], "stalls")] == [
+        "timed out: Page.goto: Timeout 2000ms"]
+    assert page_problems(reports["fine"], "fine") == []
