@@ -59,7 +59,7 @@ def code_blocks(source: str, limit: int = MAX_BLOCK_LINES) -> list[str]:
     starts = set()
     for node in tree.body:
         first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
-        while first > 0 and lines[first - 1].lstrip().startswith("#"):  # the comments that head it
+        while first > 0 and lines[first - 1].startswith("#"):  # the unindented comments that head it
             first -= 1
         starts.add(first)
     pieces, begin = [], 0
@@ -80,9 +80,11 @@ def _split_long_code_cells(app, doctree, docname):
             pieces = code_blocks(block.astext())
             if len(pieces) > 1:
                 copies = []
-                for piece in pieces:
+                for i, piece in enumerate(pieces):
                     copy = nodes.literal_block(piece.rstrip("\n"), piece.rstrip("\n"), **block.attributes)
                     copy.source, copy.line = block.source, block.line
+                    if i:  # an anchor stays on the first block only
+                        copy["ids"], copy["names"] = [], []
                     copies.append(copy)
                 block.replace_self(copies)
 
