@@ -65,8 +65,8 @@ def _weight_way(layer, a, positions):
       (depthwise with any channel multiplier, or a single input channel) the forward convolution, 2-10x faster
       than the kernel (ConvNeXt's depthwise 7x7 layers at B = 16: 0.12-0.14 against 1.2-1.4 ms; the seed CNN's
       first layer at B = 256: 2.4 against 4.4 ms).
-    - CUDA (an H100, torch 2.11): never the kernel, which cuDNN runs as one launch per group, B * groups of them
-      (at B = 1024 it took 30 of the 32 ms of ResNet's per-example gradients); im2col, except a depthwise layer
+    - CUDA (an H100, torch 2.11): never the kernel, which cuDNN runs as thousands of small launches (at B = 1024,
+      2,188 in 14 calls, 30 of the 32 ms of ResNet's per-example gradients); im2col, except a depthwise layer
       (groups > 1, one input channel each), whose patches are (kernel size) times its input: the forward
       convolution there. Whole recipes at B = 1024, in batch gradients, kernel against this: per_sample_grads on
       ResNet 5.3 against 3.5 (bfloat16 6.7 against 2.9), on ConvNeXt 6.0 against 2.2; ConvNeXt's norms 3.9
