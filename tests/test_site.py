@@ -1,6 +1,7 @@
 """The site builds with warnings as errors (the `site` fixture, conftest.py), every chapter shows
 its stored outputs, and no internal link or anchor is broken, by pytest-check-links on the built
-HTML (external links are skipped: the site must read offline, and this check runs offline).
+HTML (external links are skipped: the site must read offline, and this check runs offline), and no
+page shows a block (a code cell's source or an output) long enough for a browser to stall on it.
 What a browser shows, Colab buttons included, is checked by test_browser.py."""
 import subprocess
 import sys
@@ -10,6 +11,9 @@ import nbformat
 import pytest
 
 from bookcheck import ROOT, notebooks
+
+sys.path.insert(0, str(ROOT / "book" / "_ext"))  # the site's own Sphinx extension
+from site_fixes import MAX_BLOCK_LINES, code_blocks  # noqa: E402
 
 
 def broken_links(site, tmp_path) -> list[str]:
@@ -65,9 +69,6 @@ def test_every_page_names_the_licences(site):
 
 
 # --- long code cells: shown as blocks Chromium can lay out (book/_ext/site_fixes.py, fix 3) ---------
-
-sys.path.insert(0, str(ROOT / "book" / "_ext"))
-from site_fixes import MAX_BLOCK_LINES, code_blocks  # noqa: E402
 
 
 def longest_block(page: str) -> int:
