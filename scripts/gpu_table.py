@@ -4,7 +4,9 @@ For each model family (small configurations of `transformers` models, random wei
 batch size and precision (float32 with TF32 off, or bfloat16 under autocast), each method's time is the
 median over interleaved rounds of its ratio to the same round's batch gradient; peak memory is what the
 call allocates beyond the model and data, as a multiple of B*P float32 numbers (all per-example gradients at
-once). Before timing, the recipes are checked against plain vmap(grad) on each family in float32.
+once). Before timing, the recipes are checked against plain vmap(grad) on each family in float32. Two baselines
+are timed beside them: writing B*P floats (a batch gradient plus that is the floor of per_sample_grads) and the DP
+step's noise, P Gaussian numbers (a batch gradient plus that is the DP step's floor).
 
     python -m scripts.gpu_table                  # on a CUDA machine; writes gpu_table.json beside it
     python -m scripts.gpu_table --quick          # tiny sizes, any device: checks that the script runs
@@ -275,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
                 peak: dict = {}
                 try:
                     flat_out, flat_src = torch.empty(B * P, device=device), torch.ones(B * P, device=device)
+                    zeros = {n: torch.zeros_like(p) for n, p in params.items()}
 
                     def one(p, xi, ti, model=model, key=key, loss=loss):
                         return loss(functional_call(model, p, (), {key: xi[None]}), ti[None])
@@ -297,9 +300,13 @@ def main(argv: list[str] | None = None) -> None:
                                                                             generator=torch.Generator(device).manual_seed(0), **{key: x})),
                         "DP step (CPU noise)": under(lambda: tfr.clipped_noisy_gradient(
                             model, loss, targets=y, max_norm=1.0, noise_multiplier=1.0, generator=torch.Generator().manual_seed(0), **{key: x})),
+                        # the DP step's noise alone (P Gaussian numbers, drawn as the step draws them): a batch gradient
+                        # plus this is the DP step's floor, as a batch gradient plus writing B*P floats is per_sample_grads'
+                        "noise": lambda: tfr.noised_mean(zeros, max_norm=1.0, noise_multiplier=1.0, expected_batch_size=B,
+                                                         generator=torch.Generator(device).manual_seed(0)),
                     }
                     if args.methods:
-                        ways = {k: f for k, f in ways.items() if k in ("batch", "write B*P") or k in args.methods}
+                        ways = {k: f for k, f in ways.items() if k in ("batch", "write B*P", "noise") or k in args.methods}
                     for k in list(ways):  # a method that fails here is reported, not timed
                         try:
                             ways[k]()
@@ -337,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
                     cell = {"family": name, "B": B, "dtype": str(dtype).replace("torch.", ""), "P": P, "notes": notes + [f"out of memory: {str(e)[:80]}"]}
                 finally:
                     ways = {}
-                    flat_out = flat_src = None
+                    flat_out = flat_src = zeros = None
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 record["cells"].append(cell)

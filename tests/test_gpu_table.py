@@ -55,16 +55,25 @@ def test_bfloat16_no_worse_than_vmap_is_checked(tmp_path, monkeypatch):
         run(tmp_path)
 
 
-def test_the_cpu_table_options_narrow_the_run(tmp_path):
+def test_the_cpu_table_options_narrow_the_run(tmp_path, monkeypatch):
     """--families, --sizes, --dtypes and --methods pick what is checked and timed (one tiny cell is timed here;
-    its figures are not looked at), and the record names the processor."""
+    its figures are not looked at), and the record names the processor. The baselines are always timed, the DP
+    step's noise among them: the P Gaussian numbers of the whole model."""
+    drawn, right = [], tfr.noised_mean
+
+    def counted(clipped_sum, **kwargs):
+        drawn.append(sum(t.numel() for t in clipped_sum.values()))
+        return right(clipped_sum, **kwargs)
+
+    monkeypatch.setattr(tfr, "noised_mean", counted)
     out = tmp_path / "table.json"
     gpu_table.main(["--quick", "--families", "Llama", "--sizes", "4", "--dtypes", "float32", "--rounds", "1",
                     "--methods", "per_sample_grads", "--out", str(out)])
     record = json.loads(out.read_text())
     assert list(record["checks"]) == ["Llama"]
     assert [(c["family"], c["B"], c["dtype"]) for c in record["cells"]] == [("Llama", 4, "float32")]
-    assert set(record["cells"][0]["ratios"]) == {"batch", "write B*P", "per_sample_grads"}
+    assert set(record["cells"][0]["ratios"]) == {"batch", "write B*P", "noise", "per_sample_grads"}
+    assert drawn and set(drawn) == {record["cells"][0]["P"]}
     assert torch.cuda.is_available() or "threads" in record["hardware"]
 
 
