@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.func import vmap
 
 from test_recipes import Model, close, loop_output_jacobian, loop_per_sample
 
@@ -427,6 +428,56 @@ def test_randomness_from_a_generator_of_the_models_own(recipes):
         norms = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, t)
         with pytest.raises(ValueError, match="norms were given, but the model's forward pass draws random numbers"):
             recipes["clipped_grad_sum"](model, F.cross_entropy, x, t, max_norm=1.0, norms=norms)
+
+
+def noise_from_a_generator_held_deeper(m, x):
+    """Noise from a generator the model holds in a nested list, where _held_generators does not look."""
+    h = torch.tanh(m.a(x))
+    return m.b(h + 0.1 * torch.randn(h.shape, generator=m.deep[0][0], dtype=h.dtype, device=h.device) if m.training else h)
+
+
+def test_randomness_from_a_generator_held_deeper(recipes):
+    """A generator no scan of the model finds (in a nested list here; a global one is the same): the random
+    operation itself is seen (_DrawWatch), so the model is treated as any that draws: left to the recipes, each
+    example drawing its own noise, rather than refused as mixing its examples (before: "depends on the other
+    examples", the passes' draws differing), and norms given from another pass refused (before: that refusal,
+    for a reason not its own, or, for a batch of one, where the examples' check does not run, nothing: the sum took
+    other draws than its norms)."""
+    model = net(noise_from_a_generator_held_deeper).double().train()
+    model.deep = [[torch.Generator().manual_seed(3)]]
+    assert recipes["_held_generators"](model) == []
+    grads, report = recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, report=True)
+    assert report.path == "fast" and grads["a.weight"].shape == (6, 8, 6), report.reason
+    for x, t in ((X, TARGETS), (X[:1], TARGETS[:1])):
+        norms = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, t)
+        for path in ("auto", "vmap", "loop"):
+            with pytest.raises(ValueError, match="norms were given, but the model's forward pass draws random numbers"):
+                recipes["clipped_grad_sum"](model, F.cross_entropy, x, t, max_norm=1.0, norms=norms, path=path)
+    model.eval()  # no draws: norms given are welcome
+    norms = recipes["per_sample_grad_norms"](model, F.cross_entropy, X, TARGETS)
+    recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0, norms=norms)
+
+
+def test_the_generator_watch_sees_every_generator_a_torch_function_is_given(recipes):
+    """_GeneratorWatch notes a generator passed to any random function (a keyword-only argument), under a transform
+    too, and others() leaves out the default and the known ones; a call without a generator notes nothing."""
+    g, known = torch.Generator().manual_seed(1), torch.Generator()
+    x = torch.zeros(3, dtype=torch.float64)
+    drawing = [lambda: torch.randn(3, generator=g), lambda: x.clone().normal_(generator=g), lambda: torch.bernoulli(x, generator=g),
+               lambda: torch.randperm(4, generator=g), lambda: torch.multinomial(x + 1, 2, generator=g),
+               lambda: nn.init.uniform_(x.clone(), generator=g), lambda: x.clone().random_(0, 5, generator=g),
+               lambda: x.clone().uniform_(0.0, 1.0, generator=g),
+               lambda: vmap(lambda r: r + torch.randn(3, generator=g, dtype=r.dtype), randomness="different")(x[None]),
+               lambda: torch.func.grad(lambda r: (r * torch.rand(3, generator=g, dtype=r.dtype)).sum())(x)]
+    for k, run in enumerate(drawing):
+        with recipes["_GeneratorWatch"]() as watch:
+            run()
+            torch.randn(3, generator=known)
+            torch.randn(3, generator=torch.default_generator)
+        assert watch.others([known]) == [g], k
+    with recipes["_GeneratorWatch"]() as watch:
+        torch.randn(3), F.dropout(x, 0.5, True), torch.sin(x)
+    assert watch.generators == {}
 
 
 class Reseeded(nn.Module):

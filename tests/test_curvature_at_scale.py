@@ -148,6 +148,7 @@ class NoisyForward(nn.Module):
         super().__init__()
         self.how, self.inp, self.out = how, nn.Linear(4, 6), nn.Linear(6, 3)
         self.g = torch.Generator().manual_seed(38)
+        self.deep = [[torch.Generator().manual_seed(39)]]  # where no scan of the model looks
 
     def forward(self, x):
         h = torch.tanh(self.inp(x))
@@ -155,6 +156,8 @@ class NoisyForward(nn.Module):
             return self.out(F.dropout(h, 0.3, training=True))
         if self.how == "own generator, with gradients only" and not torch.is_grad_enabled():
             return self.out(h)
+        if self.how == "generator held deeper":
+            return self.out(h + 0.01 * torch.randn(h.shape, generator=self.deep[0][0], dtype=h.dtype))
         noise = torch.randn(h.shape, generator=self.g, dtype=h.dtype) if "own" in self.how else torch.randn_like(h)
         return self.out(h + 0.01 * noise)
 
@@ -174,12 +177,13 @@ CURVATURE = {
 }
 
 
-@pytest.mark.parametrize("how", ["dropout", "noise", "own generator", "own generator, with gradients only"])
+@pytest.mark.parametrize("how", ["dropout", "noise", "own generator", "own generator, with gradients only", "generator held deeper"])
 @pytest.mark.parametrize("recipe", list(CURVATURE))
 def test_randomness_written_in_forward_is_refused_and_the_generator_restored(recipe, how):
     """Before: param_hvp answered (a different answer each call), ggn_diagonal died inside vmap; and with noise from a
     generator the model holds, every recipe answered. The check by module type cannot see these; the generators'
-    states can. The refusal leaves the global generator, and the model's, where they were."""
+    states can, and, for a generator no scan finds (held deeper), the random operation itself (before that, every
+    recipe answered). The refusal leaves the global generator, and the model's, where they were."""
     torch.manual_seed(36)
     model = NoisyForward(how).double()
     state, own = torch.get_rng_state(), model.g.get_state()

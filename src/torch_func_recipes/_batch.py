@@ -60,6 +60,7 @@ from typing import Any, Union
 import torch
 import torch.nn as nn
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 # The types of the recipes' public arguments (see the batch convention above). Union rather than `|` here:
@@ -104,6 +105,34 @@ def _generator_states(cuda: list[int], held: Sequence[torch.Generator] = ()) -> 
 
 def _drew_random_numbers(before: list[torch.Tensor], cuda: list[int], held: Sequence[torch.Generator] = ()) -> bool:
     return not all(torch.equal(a, b) for a, b in zip(before, _generator_states(cuda, held)))
+
+
+class _GeneratorWatch(TorchFunctionMode):
+    """Notes every torch.Generator passed to a torch function while it is active (torch.randn(..., generator=g),
+    x.normal_(generator=g), torch.bernoulli, torch.randperm, nn.init): the one way to draw from a generator other
+    than a default one, so the generators a forward pass draws from are known after it, wherever the model keeps
+    them (in a nested list, another object, a global), where _held_generators finds only those its modules hold. A
+    function mode, not a dispatch mode: it sees the call before any transform (vmap, grad) and lets a higher-order
+    operator (torch.cond) run as it is. About 6 us per torch call (2 CPU cores): on the checks' passes and the
+    curvature recipes' forward passes, not on the per-example recipes' own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generators: dict[int, torch.Generator] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            if type(value) is torch.Generator:
+                self.generators[id(value)] = value
+        return func(*args, **kwargs)
+
+    def others(self, held: Sequence[torch.Generator] = ()) -> list[torch.Generator]:
+        """The generators passed that are neither a default one nor among `held`."""
+        known = {id(g) for g in held} | {id(torch.default_generator)}
+        if torch.cuda.is_available():
+            known |= {id(torch.cuda.default_generators[d]) for d in range(torch.cuda.device_count())}
+        return [g for key, g in self.generators.items() if key not in known]
 
 
 def _set_generator_states(states: list[torch.Tensor], cuda: list[int], held: Sequence[torch.Generator] = ()) -> None:
@@ -357,13 +386,13 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     trace sees each operation, but not a Python number read from a tensor: the batch's size in `h / x.shape[0]`,
     or `.tolist()`). Not run for a batch of one; nor for a model with a random module in training mode, or whose
     forward pass draws random numbers at all (F.dropout, noise by hand, from a default generator or one the model
-    holds, _held_generators: a pass that moved one runs once more, from where it left them, and a model whose
-    outputs then differ draws; one that re-seeds a generator and agrees does not), whose draws differ between the
-    passes (the passes leave those generators as they found them); nor where a forward pass raises (the recipe
-    then meets the error itself, on its own path). A model that mixes examples only beyond the first two, or only
-    through randomness, is not detected; nor is a model that draws random numbers and also reads the batch's size
-    (the check is left undone for it, and the trace cannot see the size); a model drawing from a generator it does
-    not hold (a global one) is refused, since its passes' draws differ, and that generator moves. Whether the first
+    holds, _held_generators, or any other it passes to a torch function, _GeneratorWatch: held deeper, global: a
+    pass that moved one, or drew from another, runs once more, from where it left them, and a model whose outputs
+    then differ draws; one that re-seeds a generator and agrees does not), whose draws differ between the passes
+    (the passes leave the default and held generators as they found them; the others move); nor where a forward
+    pass raises (the recipe then meets the error itself, on its own path). A model that mixes examples only beyond
+    the first two, or only through randomness, is not detected; nor is a model that draws random numbers and also
+    reads the batch's size (the check is left undone for it, and the trace cannot see the size). Whether the first
     pass drew is remembered too (_remembered_draws). A check passed or left undone is remembered for the model and
     the call's signature (_call_signature: shapes, dtypes, devices, non-tensor arguments, train/eval modes, grad
     mode), so a training loop pays it once, not every step (a quarter of a small transformer's per-sample
@@ -387,10 +416,12 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
                 if torch.is_autocast_enabled(device):
                     context.enter_context(torch.autocast(device, enabled=False))
             before = _generator_states(cuda, held)
-            together = tree_flatten(batch.rows(slice(0, 2)).call(model))[0]
-            # a moved generator means random draws, or a pass that re-seeds a generator and is deterministic: a second
-            # pass, from where the first left the generators, gives other outputs only in the first case
-            drew = _drew_random_numbers(before, cuda, held) and not _outputs_agree(
+            with _GeneratorWatch() as watch:  # and the generators the pass draws from, wherever the model keeps them
+                together = tree_flatten(batch.rows(slice(0, 2)).call(model))[0]
+            # a moved generator, or one drawn from that the states do not cover, means random draws, or a pass that
+            # re-seeds a generator and is deterministic: a second pass, from where the first left the generators,
+            # gives other outputs only in the first case
+            drew = (_drew_random_numbers(before, cuda, held) or bool(watch.others(held))) and not _outputs_agree(
                 together, tree_flatten(batch.rows(slice(0, 2)).call(model))[0])
             if signature is not None:
                 _per_model(_DRAWS, model, dict)[signature] = drew

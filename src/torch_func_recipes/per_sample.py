@@ -24,6 +24,7 @@ from ._batch import (
     _cuda_devices,
     _drew_random_numbers,
     _generator_states,
+    _GeneratorWatch,
     _Grads,
     _held_generators,
     _Inputs,
@@ -766,18 +767,19 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
         cuda, held = _cuda_devices(model, batch), _held_generators(model)
         before = _generator_states(cuda, held)  # a forward pass that draws random numbers is not the one the norms came from
         output = None
-        reason, owners = _fast_path_screen(model, trainable, "norms", path, batch)
-        if reason is None:  # the plain batched forward, where a trace shows it exact
-            output, _, reason = _traced_forward(model, batch, trainable, "norms", owners)
-        if output is not None:
-            losses = _losses_of_each(loss_fn, output, batch)
-            grads = torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), list(trainable.values()), allow_unused=True)
-            how = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
-        elif path == "fast":
-            raise ValueError(f"the fast path does not apply: {reason}")
-        else:
-            grads, how = _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason)
-        if _drew_random_numbers(before, cuda, held) or _remembered_draws(model, batch):
+        with _GeneratorWatch() as watch:  # the generators drawn from that the states do not cover (held deeper, global)
+            reason, owners = _fast_path_screen(model, trainable, "norms", path, batch)
+            if reason is None:  # the plain batched forward, where a trace shows it exact
+                output, _, reason = _traced_forward(model, batch, trainable, "norms", owners)
+            if output is not None:
+                losses = _losses_of_each(loss_fn, output, batch)
+                grads = torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), list(trainable.values()), allow_unused=True)
+                how = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
+            elif path == "fast":
+                raise ValueError(f"the fast path does not apply: {reason}")
+            else:
+                grads, how = _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason)
+        if _drew_random_numbers(before, cuda, held) or watch.others(held) or _remembered_draws(model, batch):
             raise ValueError("norms were given, but the model's forward pass draws random numbers (F.dropout, a dropout "
                              "rate, noise): the norms came from other draws, so the clipping bound would not hold; "
                              "leave norms out (one forward pass then gives both) or call model.eval()")
