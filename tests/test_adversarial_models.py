@@ -446,6 +446,9 @@ def test_randomness_from_a_generator_held_deeper(recipes):
     model = net(noise_from_a_generator_held_deeper).double().train()
     model.deep = [[torch.Generator().manual_seed(3)]]
     assert recipes["_held_generators"](model) == []
+    seed = model.deep[0][0].get_state()
+    recipes["_check_examples_apart"](model, recipes["_as_batch"](X, TARGETS, (), {}))
+    assert torch.equal(model.deep[0][0].get_state(), seed)  # its passes drew from it, and put it back
     grads, report = recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, report=True)
     assert report.path == "fast" and grads["a.weight"].shape == (6, 8, 6), report.reason
     for x, t in ((X, TARGETS), (X[:1], TARGETS[:1])):
@@ -458,11 +461,49 @@ def test_randomness_from_a_generator_held_deeper(recipes):
     recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0, norms=norms)
 
 
+class LocalSeeded(nn.Module):
+    """Deterministic, though it draws: a generator made and seeded in every forward pass, the same noise each time."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h + 0.1 * torch.randn(h.shape[1:], generator=torch.Generator().manual_seed(5), dtype=h.dtype))
+
+
+def test_a_generator_made_and_seeded_in_forward_is_deterministic_where_seen_twice(recipes):
+    """Norms given for a model that makes and seeds its own generator: the examples' check ran it twice and found it
+    deterministic, so the sum equals the one-pass sum; on a batch of one, where no check runs, a pass that drew from
+    an unknown generator is refused, on the safe side (the curvature recipes refuse it always, as documented)."""
+    model = LocalSeeded().double()
+    norms = recipes["per_sample_grad_norms"](model, F.cross_entropy, X, TARGETS)
+    given = recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=0.05, norms=norms)
+    expected = recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=0.05)
+    assert all(close(given[k], expected[k]) for k in expected)
+    one = recipes["per_sample_grad_norms"](model, F.cross_entropy, X[:1], TARGETS[:1])
+    with pytest.raises(ValueError, match="norms were given, but the model's forward pass draws random numbers"):
+        recipes["clipped_grad_sum"](model, F.cross_entropy, X[:1], TARGETS[:1], max_norm=0.05, norms=one)
+
+
+class SubclassedGenerator(torch.Generator):
+    pass
+
+
 def test_the_generator_watch_sees_every_generator_a_torch_function_is_given(recipes):
     """_GeneratorWatch notes a generator passed to any random function (a keyword-only argument), under a transform
     too, and others() leaves out the default and the known ones; a call without a generator notes nothing."""
     g, known = torch.Generator().manual_seed(1), torch.Generator()
     x = torch.zeros(3, dtype=torch.float64)
+    with recipes["_GeneratorWatch"]() as watch:
+        torch.randn(3, generator=(sub := SubclassedGenerator().manual_seed(2)))
+    assert watch.others() == [sub]  # a subclass is a generator too
+    before = g.get_state()
+    with recipes["_GeneratorWatch"]() as watch:
+        torch.randn(3, generator=g), torch.randn(3, generator=g)
+    watch.restore()
+    assert torch.equal(g.get_state(), before)  # the state it had when first passed, before its first draw
     drawing = [lambda: torch.randn(3, generator=g), lambda: x.clone().normal_(generator=g), lambda: torch.bernoulli(x, generator=g),
                lambda: torch.randperm(4, generator=g), lambda: torch.multinomial(x + 1, 2, generator=g),
                lambda: nn.init.uniform_(x.clone(), generator=g), lambda: x.clone().random_(0, 5, generator=g),

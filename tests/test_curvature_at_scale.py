@@ -186,10 +186,11 @@ def test_randomness_written_in_forward_is_refused_and_the_generator_restored(rec
     recipe answered). The refusal leaves the global generator, and the model's, where they were."""
     torch.manual_seed(36)
     model = NoisyForward(how).double()
-    state, own = torch.get_rng_state(), model.g.get_state()
+    state, own, deep = torch.get_rng_state(), model.g.get_state(), model.deep[0][0].get_state()
     with pytest.raises(ValueError, match="drew random numbers in its forward pass.*call model.eval"):
         CURVATURE[recipe](model, X4, T4)
     assert torch.equal(torch.get_rng_state(), state) and torch.equal(model.g.get_state(), own)
+    assert torch.equal(model.deep[0][0].get_state(), deep)
 
 
 def test_a_deterministic_model_leaves_the_generator_alone():

@@ -109,22 +109,24 @@ def _drew_random_numbers(before: list[torch.Tensor], cuda: list[int], held: Sequ
 
 class _GeneratorWatch(TorchFunctionMode):
     """Notes every torch.Generator passed to a torch function while it is active (torch.randn(..., generator=g),
-    x.normal_(generator=g), torch.bernoulli, torch.randperm, nn.init): the one way to draw from a generator other
-    than a default one, so the generators a forward pass draws from are known after it, wherever the model keeps
-    them (in a nested list, another object, a global), where _held_generators finds only those its modules hold. A
-    function mode, not a dispatch mode: it sees the call before any transform (vmap, grad) and lets a higher-order
-    operator (torch.cond) run as it is. About 6 us per torch call (2 CPU cores): on the checks' passes and the
-    curvature recipes' forward passes, not on the per-example recipes' own."""
+    x.normal_(generator=g), torch.bernoulli, torch.randperm, nn.init), with its state when first passed (before
+    that call draws): the one way Python code draws from a generator other than a default one, so the generators a
+    forward pass draws from are known after it, wherever the model keeps them (in a nested list, another object, a
+    global), where _held_generators finds only those its modules hold; and restore() puts them back. A function
+    mode, not a dispatch mode: it sees the call before any transform (vmap, grad) and lets a higher-order operator
+    (torch.cond) run as it is. Not seen: draws in another thread, or in the backward pass (a hook, a custom
+    Function's backward), where the mode is not active. About 6 us per torch call (2 CPU cores): on the checks'
+    passes and the curvature recipes' forward passes, not on the per-example recipes' own."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.generators: dict[int, torch.Generator] = {}
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # id -> (generator, state first seen)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for value in (*args, *kwargs.values()):
-            if type(value) is torch.Generator:
-                self.generators[id(value)] = value
+            if isinstance(value, torch.Generator) and id(value) not in self.generators:
+                self.generators[id(value)] = (value, value.get_state())
         return func(*args, **kwargs)
 
     def others(self, held: Sequence[torch.Generator] = ()) -> list[torch.Generator]:
@@ -132,7 +134,14 @@ class _GeneratorWatch(TorchFunctionMode):
         known = {id(g) for g in held} | {id(torch.default_generator)}
         if torch.cuda.is_available():
             known |= {id(torch.cuda.default_generators[d]) for d in range(torch.cuda.device_count())}
-        return [g for key, g in self.generators.items() if key not in known]
+        return [g for key, (g, _) in self.generators.items() if key not in known]
+
+    def restore(self, held: Sequence[torch.Generator] = ()) -> None:
+        """Put the generators of others(held) back in the states they had when first passed."""
+        others = {id(g) for g in self.others(held)}
+        for key, (generator, state) in self.generators.items():
+            if key in others:
+                generator.set_state(state)
 
 
 def _set_generator_states(states: list[torch.Tensor], cuda: list[int], held: Sequence[torch.Generator] = ()) -> None:
@@ -389,7 +398,7 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     holds, _held_generators, or any other it passes to a torch function, _GeneratorWatch: held deeper, global: a
     pass that moved one, or drew from another, runs once more, from where it left them, and a model whose outputs
     then differ draws; one that re-seeds a generator and agrees does not), whose draws differ between the passes
-    (the passes leave the default and held generators as they found them; the others move); nor where a forward
+    (the passes leave every generator they drew from as they found it); nor where a forward
     pass raises (the recipe then meets the error itself, on its own path). A model that mixes examples only beyond
     the first two, or only through randomness, is not detected; nor is a model that draws random numbers and also
     reads the batch's size (the check is left undone for it, and the trace cannot see the size). Whether the first
@@ -406,6 +415,7 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
         return
     held = _held_generators(model)
     saved = [g.get_state() for g in held]
+    watch = _GeneratorWatch()  # and the generators the first pass draws from, wherever the model keeps them
     try:
         cuda = _cuda_devices(model, batch)
         # the caller's generators are left as they were (the default ones by fork_rng, those the model holds put
@@ -416,7 +426,7 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
                 if torch.is_autocast_enabled(device):
                     context.enter_context(torch.autocast(device, enabled=False))
             before = _generator_states(cuda, held)
-            with _GeneratorWatch() as watch:  # and the generators the pass draws from, wherever the model keeps them
+            with watch:
                 together = tree_flatten(batch.rows(slice(0, 2)).call(model))[0]
             # a moved generator, or one drawn from that the states do not cover, means random draws, or a pass that
             # re-seeds a generator and is deterministic: a second pass, from where the first left the generators,
@@ -435,6 +445,7 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     finally:
         for generator, state in zip(held, saved):
             generator.set_state(state)
+        watch.restore(held)
     for k, joint in enumerate(together):
         if not (isinstance(joint, torch.Tensor) and joint.is_floating_point() and joint.dim() >= 1 and joint.shape[0] == 2):
             continue
@@ -477,6 +488,13 @@ def _outputs_agree(first: list, second: list) -> bool:
             if not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale, equal_nan=True):
                 return False
     return True
+
+
+def _seen_deterministic(model: nn.Module, batch: _Batch) -> bool:
+    """Whether _check_examples_apart ran the model twice on this call's signature and found it deterministic though a
+    generator moved or was drawn from (a pass that re-seeds one, or makes and seeds its own)."""
+    signature = _call_signature(model, batch)
+    return signature is not None and _per_model(_DRAWS, model, dict).get(signature) is False
 
 
 def _remembered_draws(model: nn.Module, batch: _Batch) -> bool:

@@ -65,16 +65,18 @@ def _no_random_draws(device, held=()):
     check_deterministic makes, by the generators rather than by two calls: it catches randomness written in a forward
     (F.dropout(training=True), torch.randn, noise from any generator), which the check of module types misses, at
     about 6 us per torch call of the pass (measured on 2 CPU cores: 10% of a small BERT's forward pass at B = 16).
-    The default and held generators' states are restored before the error. Not
-    caught: draws from Python's or NumPy's generators. Refused though deterministic: a pass that re-seeds a
-    generator, or draws from one it makes and seeds (the examples' check runs such a pass twice to tell, which every
-    curvature pass would double)."""
+    Every generator drawn from is put back before the error. Not caught: draws from Python's or NumPy's
+    generators, in another thread, or in the backward pass (_GeneratorWatch). Refused though deterministic: a
+    pass that re-seeds a generator it holds and leaves it elsewhere than it found it (the first call), or draws
+    from one it makes and seeds (the examples' check runs such a pass twice to tell, which every curvature pass
+    would double)."""
     cuda = [device.index or 0] if device.type == "cuda" else []
     before = _generator_states(cuda, held)
     with _GeneratorWatch() as watch:
         yield
     if _drew_random_numbers(before, cuda, held) or watch.others(held):
         _set_generator_states(before, cuda, held)
+        watch.restore(held)
         raise ValueError("the model (or loss_fn) drew random numbers in its forward pass, so the loss is a different "
                          "function on every call and has no curvature to measure: call model.eval(), or take the "
                          "randomness (dropout, noise) out of forward")

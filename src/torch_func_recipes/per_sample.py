@@ -33,6 +33,7 @@ from ._batch import (
     _remembered_draws,
     _row_squares,
     _scalar_loss,
+    _seen_deterministic,
     _Unbatched,
 )
 from ._layers import _CrossTerms, _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
@@ -779,7 +780,11 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
                 raise ValueError(f"the fast path does not apply: {reason}")
             else:
                 grads, how = _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason)
-        if _drew_random_numbers(before, cuda, held) or watch.others(held) or _remembered_draws(model, batch):
+        # a generator the states do not cover was drawn from: a draw, unless the examples' check ran this signature
+        # twice and found it deterministic (a generator the model makes and seeds in forward)
+        unknown = bool(watch.others(held)) and not _seen_deterministic(model, batch)
+        if _drew_random_numbers(before, cuda, held) or unknown or _remembered_draws(model, batch):
+            watch.restore(held)
             raise ValueError("norms were given, but the model's forward pass draws random numbers (F.dropout, a dropout "
                              "rate, noise): the norms came from other draws, so the clipping bound would not hold; "
                              "leave norms out (one forward pass then gives both) or call model.eval()")
