@@ -241,6 +241,33 @@ def test_every_hessian_the_package_builds_matches_finite_differences_through_lay
     torch.testing.assert_close(scores, g @ torch.linalg.solve(H_fd + damping * torch.eye(P, dtype=D), g_test) / len(XL), **tolerance)
 
 
+class GroupNormed(nn.Module):
+    """A Conv1d and a GroupNorm: GroupNorm's double backward raises under is_grads_batched in torch 2.13."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.n, self.o = nn.Conv1d(4, 6, 3), nn.GroupNorm(2, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.o(torch.relu(self.n(self.c(x.transpose(1, 2)))).mean(-1))
+
+
+def test_hutchinson_through_a_groupnorm_takes_one_probe_at_a_time_where_batching_fails():
+    """Before: hessian_trace and hessian_diagonal raised a size mismatch from the batched backward pass on this
+    model, for any chunk_size. Now the probes' products come one at a time there, and equal the dense Hessian's."""
+    torch.manual_seed(0)
+    model = GroupNormed().double()
+    x, t = torch.randn(3, 5, 4, dtype=D), torch.randn(3, 3, dtype=D)
+    H = dense_hessian(model, F.mse_loss, x, t)
+    bits = curvature._rademacher(params_of(model), 6, torch.Generator().manual_seed(2))
+    V = torch.cat([b.flatten(1) for b in bits.values()], dim=1)
+    for chunk_size in (None, 1):
+        trace = tfr.hessian_trace(model, F.mse_loss, x, t, samples=6, chunk_size=chunk_size, generator=torch.Generator().manual_seed(2))
+        torch.testing.assert_close(torch.tensor(trace, dtype=D), torch.einsum("sp,pq,sq->s", V, H, V).mean())
+        diagonal = tfr.hessian_diagonal(model, F.mse_loss, x, t, samples=6, chunk_size=chunk_size, generator=torch.Generator().manual_seed(2))
+        torch.testing.assert_close(flat(diagonal), (V * (V @ H)).mean(0))
+
+
 def test_the_finite_difference_check_catches_torch_func_hessian_through_layernorm():
     """The check above can fail: torch.func.hessian (jacfwd of jacrev) fails it on this model in torch 2.13 and
     2.14.1 (pytorch#196700's family), in the rows of the LayerNorm's weight against the first layer's

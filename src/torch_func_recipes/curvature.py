@@ -230,19 +230,30 @@ def _leaves(params):
 def _hvp_operator(model, loss_fn, inputs, targets, params):
     """v -> H v on dicts shaped like params (or, with batched=True, dicts of (S, *shape) stacks of S vectors).
     The gradient g is computed once, with its graph kept; each product is then one more backward pass,
-    of <g, v> (reverse-over-reverse)."""
+    of <g, v> (reverse-over-reverse); S products one batched backward pass, or S passes where a backward
+    formula of the model cannot be batched (GroupNorm's raises under is_grads_batched in torch 2.13)."""
     leaves = _leaves(params)
     with torch.enable_grad():  # also inside torch.no_grad()
         loss = _loss_of_params(model, loss_fn, inputs, targets)(leaves)
         g = torch.autograd.grad(loss, list(leaves.values()), create_graph=True, materialize_grads=True)
     live = [k for k, g_k in enumerate(g) if g_k.requires_grad]  # entries of g that depend on the parameters
 
+    def products_of(vs, batched):
+        return torch.autograd.grad([g[k] for k in live], list(leaves.values()), [vs[k] for k in live],
+                                   retain_graph=True, is_grads_batched=batched, materialize_grads=True)
+
     def hvp(vector, batched=False):
         if not live:  # the gradient is constant: H = 0
             return {name: torch.zeros_like(vector[name]) for name in params}
         vs = list(vector.values())
-        products = torch.autograd.grad([g[k] for k in live], list(leaves.values()), [vs[k] for k in live],
-                                       retain_graph=True, is_grads_batched=batched, materialize_grads=True)
+        if not batched:
+            return dict(zip(params, products_of(vs, False)))
+        try:  # the S vectors in one batched backward pass
+            products = products_of(vs, True)
+        except Exception:  # a backward formula that cannot be batched (GroupNorm's, torch 2.13): one vector at a time,
+            # whatever the error (no message is read); the graph is kept (retain_graph), so the products are the same
+            rows = [products_of([v[s] for v in vs], False) for s in range(len(vs[0]))]
+            products = tuple(torch.stack(column) for column in zip(*rows))
         return dict(zip(params, products))
 
     return hvp
