@@ -12,7 +12,8 @@ A run fails (and writes nothing) when the result breaks what `execution_problems
 tests/ runs it on the stored notebooks too) requires of a stored notebook: a cell that raises without the
 `raises-exception` tag, a cell tagged `raises-exception` that does not raise, or anything on
 stderr. The notebook's metadata follows the .md's, as `jupytext --sync` (the pre-commit hook)
-would write it.
+would write it. The kernel runs without THP_MEM_ALLOC_ENABLE, whatever the caller's environment: the
+stored timings are made without huge pages.
 """
 from __future__ import annotations
 
@@ -64,10 +65,17 @@ def execute(md_path: Path) -> float:
     nb = jupytext.read(md_path)
     nb.metadata.setdefault("kernelspec", {"display_name": "Python 3", "language": "python", "name": "python3"})
     start = time.perf_counter()
-    NotebookClient(
-        nb, timeout=900, kernel_name="python3", allow_errors=False,
-        resources={"metadata": {"path": str(md_path.parent)}},
-    ).execute()
+    # the kernel inherits this environment: the stored timings are made without huge pages (they change which
+    # tensors are fresh memory, and so the ratios; Chapter 3's benchmark runs each setting in a process of its own)
+    huge_pages = os.environ.pop("THP_MEM_ALLOC_ENABLE", None)
+    try:
+        NotebookClient(
+            nb, timeout=900, kernel_name="python3", allow_errors=False,
+            resources={"metadata": {"path": str(md_path.parent)}},
+        ).execute()
+    finally:
+        if huge_pages is not None:
+            os.environ["THP_MEM_ALLOC_ENABLE"] = huge_pages
     seconds = time.perf_counter() - start
     found = execution_problems(nb, md_path.name)
     if found:

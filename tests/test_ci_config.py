@@ -2,6 +2,7 @@
 step), self-hosted runners that never run a fork's code, the weekly newest-torch report, and the
 commit-msg hook. Each check also runs on a broken copy, to show that it can fail."""
 import copy
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from bookcheck import ROOT
-from scripts import check_commit_msg, lock, newest_torch_report
+from scripts import check_commit_msg, execute_notebooks, lock, newest_torch_report
 
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
 # Events a fork can set off that run in, or check out code into, a privileged context.
@@ -184,3 +185,25 @@ def test_commit_subject_hook(message, ok, tmp_path):
     hook = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
     entry = next(h for repo in hook["repos"] for h in repo["hooks"] if h["id"] == "commit-subject")
     assert entry["stages"] == ["commit-msg"] and "commit-msg" in hook["default_install_hook_types"]
+
+
+def test_stored_outputs_are_made_without_huge_pages(tmp_path, monkeypatch):
+    """execute_notebooks runs the kernel without THP_MEM_ALLOC_ENABLE, whatever the caller's environment (huge pages
+    change the stored timings' ratios), and gives the caller's setting back; a failed run writes nothing."""
+    seen = []
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def execute(self):
+            seen.append(os.environ.get("THP_MEM_ALLOC_ENABLE"))
+            raise RuntimeError("stop here: the environment is what is tested")
+
+    page = tmp_path / "page.md"
+    page.write_text("# A page\n\n```{code-cell} ipython3\nprint(1)\n```\n")
+    monkeypatch.setattr(execute_notebooks, "NotebookClient", Recording)
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    with pytest.raises(RuntimeError, match="stop here"):
+        execute_notebooks.execute(page)
+    assert seen == [None] and os.environ["THP_MEM_ALLOC_ENABLE"] == "1" and not page.with_suffix(".ipynb").exists()
