@@ -426,8 +426,10 @@ def test_randomness_from_a_generator_of_the_models_own(recipes):
     assert all(close(grads[name].sum(0), g) for (name, _), g in zip(model.named_parameters(), total))
     for x, t in ((X, TARGETS), (X[:1], TARGETS[:1])):
         norms = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, t)
+        before, default = model.g.get_state(), torch.get_rng_state()
         with pytest.raises(ValueError, match="norms were given, but the model's forward pass draws random numbers"):
             recipes["clipped_grad_sum"](model, F.cross_entropy, x, t, max_norm=1.0, norms=norms)
+        assert torch.equal(model.g.get_state(), before) and torch.equal(torch.get_rng_state(), default)  # put back
 
 
 def noise_from_a_generator_held_deeper(m, x):
@@ -454,8 +456,10 @@ def test_randomness_from_a_generator_held_deeper(recipes):
     for x, t in ((X, TARGETS), (X[:1], TARGETS[:1])):
         norms = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, t)
         for path in ("auto", "vmap", "loop"):
+            deep = model.deep[0][0].get_state()
             with pytest.raises(ValueError, match="norms were given, but the model's forward pass draws random numbers"):
                 recipes["clipped_grad_sum"](model, F.cross_entropy, x, t, max_norm=1.0, norms=norms, path=path)
+            assert torch.equal(model.deep[0][0].get_state(), deep)  # a refused call puts it back
     model.eval()  # no draws: norms given are welcome
     norms = recipes["per_sample_grad_norms"](model, F.cross_entropy, X, TARGETS)
     recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0, norms=norms)

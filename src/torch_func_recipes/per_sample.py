@@ -34,6 +34,7 @@ from ._batch import (
     _row_squares,
     _scalar_loss,
     _seen_deterministic,
+    _set_generator_states,
     _Unbatched,
 )
 from ._layers import _CrossTerms, _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
@@ -784,6 +785,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
         # twice and found it deterministic (a generator the model makes and seeds in forward)
         unknown = bool(watch.others(held)) and not _seen_deterministic(model, batch)
         if _drew_random_numbers(before, cuda, held) or unknown or _remembered_draws(model, batch):
+            _set_generator_states(before, cuda, held)  # a refused call leaves every generator it drew from as it was
             watch.restore(held)
             raise ValueError("norms were given, but the model's forward pass draws random numbers (F.dropout, a dropout "
                              "rate, noise): the norms came from other draws, so the clipping bound would not hold; "
