@@ -153,6 +153,8 @@ FORCE:
 # (`make colab-lock`) pins them and their dependencies, torch's family aside, and is what is
 # installed, with --no-deps, then checked. .venv-colab is rebuilt from scratch when either
 # changes. COLAB_TORCH replaces the list's torch release (make colab-check COLAB_TORCH=2.13.0).
+# Colab's torch is a CUDA build from PyPI, about 3 GB of wheels and 5 GB installed: --no-cache-dir
+# keeps pip from holding a second copy of the wheels in its cache.
 COLAB_VENV  := .venv-colab
 COLAB_LOCK  := colab-packages.lock
 COLAB_TORCH ?= $(shell sed -n 's/^torch==//p' colab-packages.txt)
@@ -165,7 +167,7 @@ $(COLAB_READY): colab-packages.txt $(COLAB_LOCK)
 	rm -rf $(COLAB_VENV)
 	$(PYTHON) -m venv $(COLAB_VENV)
 	$(COLAB_PY) -m pip install --quiet "pip==$(PIP_PIN)"
-	$(COLAB_PY) -m pip install --quiet "torch==$(COLAB_TORCH)"
+	$(COLAB_PY) -m pip install --quiet --no-cache-dir "torch==$(COLAB_TORCH)"
 	$(COLAB_PY) -m pip install --quiet --no-deps -r $(COLAB_LOCK)
 	$(COLAB_PY) -m scripts.lock check --lock $(COLAB_LOCK)
 	touch $@
