@@ -225,6 +225,92 @@ def test_a_random_module_in_training_mode(recipe):
     assert torch.equal(flat(PER_EXAMPLE[recipe](model, CE, X, T)), flat(PER_EXAMPLE[recipe](model, CE, X, T)))
 
 
+COMPILED = {"torch.compile(model)": lambda m, **kw: torch.compile(m, **kw),
+            "model.compile()": lambda m, **kw: (m.compile(**kw), m)[1],
+            "a compiled layer": lambda m, **kw: (m.__setitem__(2, torch.compile(m[2], **kw)), m)[1]}
+
+
+@pytest.mark.parametrize("recipe", list(ALL))
+@pytest.mark.parametrize("how", list(COMPILED))
+def test_a_compiled_model_is_refused_where_torch_cannot_run_it(recipe, how):
+    """fullgraph=True: torch raises inside torch.func's transforms ('found no compiled frames'), in every recipe;
+    refused up front, naming the module. Without fullgraph, the per-example recipes answer as for the model itself
+    (torch runs it eagerly there), and the curvature recipes are refused: torch's compiled autograd has no double
+    backward, and ggn_diagonal failed with a batching rule for aten::mm.out."""
+    where = "the model" if how != "a compiled layer" else "2"
+    with pytest.raises(ValueError, match=rf"{where} \(\w+\) was compiled with fullgraph=True.*_orig_mod"):
+        ALL[recipe](COMPILED[how](model_and_loss(), fullgraph=True), CE, X, T)
+    compiled = COMPILED[how](model_and_loss())
+    if recipe in CURVATURE:
+        with pytest.raises(ValueError, match=rf"{where} \(\w+\) was compiled, and a compiled module gives no second"):
+            ALL[recipe](compiled, CE, X, T)
+    else:
+        assert torch.allclose(flat(ALL[recipe](compiled, CE, X, T)), flat(ALL[recipe](model_and_loss(), CE, X, T)), rtol=1e-10)
+
+
+class Sine(torch.autograd.Function):
+    """sin with a backward pass written in differentiable operations: second derivatives go through it."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return torch.sin(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * torch.cos(x)
+
+
+class SineDetached(Sine):
+    """The same first derivative, computed outside the graph: with create_graph=True its gradient has none."""
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return (g * torch.cos(x)).detach()
+
+
+class Branchy(nn.Module):
+    def __init__(self, sine):
+        super().__init__()
+        self.a, self.b, self.sine = nn.Linear(4, 6), nn.Linear(6, 3), sine
+
+    def forward(self, x):
+        return self.b(self.sine(torch.tanh(self.a(x))))
+
+
+SINES = {"torch.sin": torch.sin, "a Function with a differentiable backward": Sine.apply,
+         "torch.cond": lambda h: torch.cond(h.sum() > -1e9, torch.sin, torch.cos, (h,)),  # always sin
+         "a Function whose backward detaches": SineDetached.apply}
+SECOND_ORDER = ("param_hvp", "ggn_vp", "hessian_trace", "hessian_diagonal", "top_hessian_eigenvalues", "influence_scores")
+
+
+@pytest.mark.parametrize("recipe", list(CURVATURE))
+@pytest.mark.parametrize("sine", list(SINES)[1:])
+def test_a_backward_pass_that_is_not_differentiable_is_refused(recipe, sine):
+    """torch.cond's backward (torch 2.13) and a Function computing its gradient outside the graph give first
+    derivatives with no graph of their own: every recipe that differentiates twice lost the terms through them and
+    answered wrongly, without a word. They are refused, naming the node; the recipes that need first derivatives
+    only (and ggn_diagonal, whose batched backward pass cond cannot take: it goes one cotangent at a time) answer as
+    for the model with torch.sin."""
+    def model(name):
+        torch.manual_seed(37)
+        return Branchy(SINES[name]).double()
+
+    expected = flat(CURVATURE[recipe](model("torch.sin"), CE, X, T))
+    if recipe in SECOND_ORDER and sine in ("torch.cond", "a Function whose backward detaches"):
+        with pytest.raises(ValueError, match=r"the autograd node \w+Backward .* is not differentiable"):
+            CURVATURE[recipe](model(sine), CE, X, T)
+    else:
+        assert torch.allclose(flat(CURVATURE[recipe](model(sine), CE, X, T)), expected, rtol=1e-10)
+
+
 @pytest.mark.parametrize("recipe", list(ALL))
 def test_no_trainable_parameter_is_refused(recipe):
     with pytest.raises(ValueError, match="the model has no parameters that require grad"):

@@ -39,6 +39,11 @@ softmax by hand, a roll over the batch,     first two examples together and alon
 the batch's size read as a number)          (``_check_examples_apart``); curvature recipes accept it
                                             (the batch's loss is one function of the parameters), but
                                             ``ggn_diagonal``, which needs per-example factors, refuses it
+a module compiled by ``torch.compile`` (or  fullgraph=True: ValueError for every recipe (torch cannot
+``module.compile()``)                       run it inside torch.func's transforms); otherwise the
+                                            per-example recipes answer (torch runs it eagerly there)
+                                            and the curvature recipes: ValueError (no double backward);
+                                            pass the module before compiling (``._orig_mod``)
 no parameter requires grad                  ValueError for every recipe
 called inside ``torch.no_grad()`` or        every recipe computes as outside them (gradients are
 ``torch.inference_mode()``                  enabled inside the call; inference tensors are copied);
@@ -299,12 +304,38 @@ def _as_batch(inputs: Any, targets: Any = None, unbatched: Any = (), keyword_inp
     return _Batch(args, kwargs, targets, batched_args, batched_kwargs, size)
 
 
+def _compiled(module: nn.Module) -> str | None:
+    """How torch.compile made this module: "fullgraph" (compiled with fullgraph=True), "compiled", or None where it
+    did not. torch.compile(module, ...) returns a module holding its options (dynamo_ctx); module.compile(...)
+    keeps the compiled call, whose closure holds them."""
+    options = getattr(module, "dynamo_ctx", None)
+    compiled_call = module._compiled_call_impl
+    if options is None and compiled_call is None:
+        return None
+    for cell in (getattr(compiled_call, "__closure__", None) or ()) if options is None else ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if hasattr(held, "fullgraph"):
+            options = held
+    return "fullgraph" if getattr(options, "fullgraph", False) is True else "compiled"
+
+
 def _check_model(model: nn.Module, *, deterministic: bool = False) -> dict[str, nn.Parameter]:
     """The one check of a recipe's model; returns its trainable parameters {name: parameter}.
     deterministic=True (the curvature recipes) also refuses modules that draw random numbers in training mode."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     for name, module in model.named_modules():
+        compiled = _compiled(module)
+        if compiled == "fullgraph" or (compiled and deterministic):
+            raise ValueError(f"{name or 'the model'} ({type(module).__name__}) was compiled"
+                             + (" with fullgraph=True, which torch.func's transforms cannot run from eager code (torch raises "
+                                "rather than falling back)" if compiled == "fullgraph" else
+                                ", and a compiled module gives no second derivatives (torch's compiled autograd does not "
+                                "support double backward)")
+                             + ": pass the module as it was before compiling (torch.compile keeps it as ._orig_mod)")
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and (module.training or module.running_mean is None):
             raise ValueError(f"{name or 'the model'} ({type(module).__name__}) is a BatchNorm in training mode or without "
                              "running statistics: it normalises with the statistics of the batch it sees, which mix the "

@@ -87,6 +87,11 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "maps each module's own parameters by their short names, a parameter registered under two names "
                "included, which named_parameters(recurse=False) would drop as a duplicate",
                "module.named_parameters(recurse=False, remove_duplicate=False)", lambda: nn.Linear(1, 1)),
+    PrivateAPI("Module._compiled_call_impl", "object attribute", ("_batch._compiled",),
+               "module.compile() keeps the compiled call here, and no public API says whether a module was compiled "
+               "so, nor with which options: one compiled with fullgraph=True fails inside torch.func's transforms, "
+               "and the recipes refuse it by name instead",
+               None, lambda: nn.Linear(1, 1)),
     PrivateAPI("Module._modules", "object attribute", ("_vmap_gaps._unrolled_stand_in",),
                "the unroll's stand-in gives each copied module dicts of its own for its submodules (and, in "
                "_shallow_copy, by key, for its parameters and buffers) and puts the copied child there, so "

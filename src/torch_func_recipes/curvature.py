@@ -10,9 +10,12 @@ iterable of ``(inputs, targets)`` batches that can be read more than once (a ``D
 for ``reduction='sum'``, their mean weighted by batch size (``sum_b (B_b / N) loss_b``) for ``'mean'``; each
 product reads the data once more, holding one batch at a time, and the batches' tensors are moved to the
 parameters' device. Every forward pass is checked not to draw random numbers (the curvature of a random
-function is not defined). Memory is given in each docstring with B (examples per batch), N (examples in all),
-Y (outputs per example) and P (trainable parameters); where it grows with them beyond a few P-vectors, a
-``max_memory`` keyword (bytes, default 2 GiB) refuses a call up front, with the number, or sets the chunks.
+function is not defined), and every backward pass that a second one differentiates, not to go through a node
+whose backward pass is not differentiable (torch.cond's in torch 2.13, a custom autograd.Function that computes
+its gradient outside the graph), whose second derivatives would be missing without a word. Memory is given
+in each docstring with B (examples per batch), N (examples in all), Y (outputs per example) and P (trainable
+parameters); where it grows with them beyond a few P-vectors, a ``max_memory`` keyword (bytes, default 2 GiB)
+refuses a call up front, with the number, or sets the chunks.
 """
 
 from __future__ import annotations
@@ -80,6 +83,46 @@ def _no_random_draws(device, held=()):
         raise ValueError("the model (or loss_fn) drew random numbers in its forward pass, so the loss is a different "
                          "function on every call and has no curvature to measure: call model.eval(), or take the "
                          "randomness (dropout, noise) out of forward")
+
+
+@contextlib.contextmanager
+def _differentiable_backward(roots):
+    """Around a backward pass with create_graph=True from roots (tensors): refuse it where a node that autograd
+    does not write itself, a custom autograd.Function or a higher-order operator such as torch.cond, gave a gradient
+    outside the graph although the gradient it received was in it. Its backward pass is then not differentiable,
+    and every second derivative through it would be missing without a word (torch.cond's, in torch 2.13). The
+    nodes are found by walking the graph from roots; each gets a hook, removed on the way out."""
+    custom, seen = [], set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            custom.append(node)
+        stack += [child for child, _ in node.next_functions if child is not None]
+    broken: list[str] = []
+
+    def check(node):
+        def hook(grads_out, grads_in):  # the gradients it gives its inputs, and the ones it received
+            if (any(g is not None and g.requires_grad for g in grads_in)
+                    and any(g is not None and not g.requires_grad for g in grads_out)):
+                broken.append(type(node).__name__)
+        return hook
+
+    handles = [node.register_hook(check(node)) for node in custom]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    if broken:
+        raise ValueError(f"the autograd node {broken[0]} (a custom autograd.Function, or a higher-order operator such as "
+                         "torch.cond) has a backward pass that is not differentiable: with create_graph=True it gave a "
+                         "gradient that does not depend on the one it received, so every second derivative through it "
+                         "would be silently missing; write its backward with differentiable operations, or take it out "
+                         "of the model for the curvature")
 
 
 def _is_batch_list(inputs, targets):
@@ -235,7 +278,8 @@ def _hvp_operator(model, loss_fn, inputs, targets, params):
     leaves = _leaves(params)
     with torch.enable_grad():  # also inside torch.no_grad()
         loss = _loss_of_params(model, loss_fn, inputs, targets)(leaves)
-        g = torch.autograd.grad(loss, list(leaves.values()), create_graph=True, materialize_grads=True)
+        with _differentiable_backward([loss]):
+            g = torch.autograd.grad(loss, list(leaves.values()), create_graph=True, materialize_grads=True)
     live = [k for k, g_k in enumerate(g) if g_k.requires_grad]  # entries of g that depend on the parameters
 
     def products_of(vs, batched):
@@ -353,11 +397,14 @@ def _ggn_vp_of_batch(model, loss_fn, inputs, targets, params, vector):
         outputs = functional_call(model, leaves, (inputs,))
     with torch.enable_grad():
         u = torch.zeros_like(outputs, requires_grad=True)
-        jt_u = torch.autograd.grad(outputs, list(leaves.values()), u, create_graph=True, materialize_grads=True)
+        with _differentiable_backward([outputs]):
+            jt_u = torch.autograd.grad(outputs, list(leaves.values()), u, create_graph=True, materialize_grads=True)
         jv = torch.autograd.grad(torch.stack([(a * vector[name]).sum() for name, a in zip(leaves, jt_u)]).sum(), u,
                                  materialize_grads=True)[0]  # J v
         o = outputs.detach().requires_grad_(True)
-        loss_gradient = torch.autograd.grad(_scalar(loss_fn(o, targets)), o, create_graph=True)[0]
+        loss = _scalar(loss_fn(o, targets))
+        with _differentiable_backward([loss]):
+            loss_gradient = torch.autograd.grad(loss, o, create_graph=True)[0]
         if not loss_gradient.requires_grad:  # a loss linear in the outputs: H_L = 0
             return {name: torch.zeros_like(p) for name, p in params.items()}
         h_jv = torch.autograd.grad(loss_gradient, o, jv, materialize_grads=True)[0]  # H_L J v
@@ -482,7 +529,9 @@ def _output_hessian_factors(loss_fn, outputs, targets):
     B, Y = len(outputs), outputs[0].numel()
     o = outputs.detach().requires_grad_(True)
     with torch.enable_grad():
-        loss_gradient = torch.autograd.grad(_scalar(loss_fn(o, targets)), o, create_graph=True)[0]
+        loss = _scalar(loss_fn(o, targets))
+        with _differentiable_backward([loss]):
+            loss_gradient = torch.autograd.grad(loss, o, create_graph=True)[0]
         if not loss_gradient.requires_grad:  # a loss linear in the outputs has H_L = 0
             return torch.zeros(Y, B, dtype=o.dtype, device=o.device), torch.zeros(Y, *o.shape, dtype=o.dtype, device=o.device)
         units = torch.eye(Y, dtype=o.dtype, device=o.device).reshape(Y, 1, *o.shape[1:]).expand(Y, *o.shape)
@@ -597,8 +646,14 @@ def _ggn_diagonal_of_batch(model, loss_fn, inputs, targets, params, per_sample, 
 def _ggn_diagonal_by_layers(outputs, leaves, owners, modules, calls, lam, cotangents, per_sample):
     """The diagonal (or per-example shares) from each module's input a and the Y back-propagated dL/dz;
     None if the check fails."""
-    deltas = torch.autograd.grad(outputs, [calls[id(m)][0][1] for m in modules], cotangents,
-                                 is_grads_batched=True, retain_graph=True, materialize_grads=True)
+    layer_outputs = [calls[id(m)][0][1] for m in modules]
+    try:  # the Y cotangents in one batched backward pass
+        deltas = torch.autograd.grad(outputs, layer_outputs, cotangents, is_grads_batched=True, retain_graph=True,
+                                     materialize_grads=True)
+    except Exception:  # a backward formula that cannot be batched (torch.cond's, GroupNorm's in torch 2.13): one
+        # cotangent at a time, whatever the error (no message is read); the graph is kept, so the products are the same
+        rows = [torch.autograd.grad(outputs, layer_outputs, c, retain_graph=True, materialize_grads=True) for c in cotangents]
+        deltas = tuple(torch.stack(column) for column in zip(*rows))
     Y = len(lam)
     r = torch.linspace(1, 2, Y, dtype=lam.dtype, device=lam.device)  # weights for the check's one combination
     shares, rebuilt = {}, {}
