@@ -276,6 +276,53 @@ class SineDetached(Sine):
         return (g * torch.cos(x)).detach()
 
 
+class SineOnce(Sine):
+    """The same, with once_differentiable: its gradients hang off an error node that a second pass never reaches."""
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * torch.cos(x)
+
+
+class MaskedSine(Sine):
+    """sin(x) * mask, differentiable, with a zero gradient (not None) for the mask, a constant: not refused."""
+
+    @staticmethod
+    def forward(x, mask):
+        return torch.sin(x) * mask
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, mask = ctx.saved_tensors
+        return g * torch.cos(x) * mask, torch.zeros_like(mask)
+
+
+class FusedCrossEntropy(torch.autograd.Function):
+    """Cross-entropy with a backward pass by hand, outside the graph: its gradient in the outputs is right, its
+    Hessian there would be taken as zero."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, t):
+        return F.cross_entropy(x, t)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, t = ctx.saved_tensors
+        return (g * (x.softmax(1) - F.one_hot(t, x.shape[1]).to(x.dtype)) / len(t)).detach(), None
+
+
 class Branchy(nn.Module):
     def __init__(self, sine):
         super().__init__()
@@ -287,28 +334,47 @@ class Branchy(nn.Module):
 
 SINES = {"torch.sin": torch.sin, "a Function with a differentiable backward": Sine.apply,
          "torch.cond": lambda h: torch.cond(h.sum() > -1e9, torch.sin, torch.cos, (h,)),  # always sin
-         "a Function whose backward detaches": SineDetached.apply}
+         "a Function returning zeros for a constant": lambda h: MaskedSine.apply(h, torch.ones_like(h)),
+         "a Function whose backward detaches": SineDetached.apply, "a once_differentiable Function": SineOnce.apply}
+NOT_DIFFERENTIABLE = ("torch.cond", "a Function whose backward detaches", "a once_differentiable Function")
 SECOND_ORDER = ("param_hvp", "ggn_vp", "hessian_trace", "hessian_diagonal", "top_hessian_eigenvalues", "influence_scores")
 
 
 @pytest.mark.parametrize("recipe", list(CURVATURE))
 @pytest.mark.parametrize("sine", list(SINES)[1:])
 def test_a_backward_pass_that_is_not_differentiable_is_refused(recipe, sine):
-    """torch.cond's backward (torch 2.13) and a Function computing its gradient outside the graph give first
-    derivatives with no graph of their own: every recipe that differentiates twice lost the terms through them and
-    answered wrongly, without a word. They are refused, naming the node; the recipes that need first derivatives
-    only (and ggn_diagonal, whose batched backward pass cond cannot take: it goes one cotangent at a time) answer as
-    for the model with torch.sin."""
+    """torch.cond's backward (torch 2.13), a Function computing its gradient outside the graph and a
+    once_differentiable one give first derivatives with no graph of their own: every recipe that differentiates
+    twice lost the terms through them and answered wrongly, without a word. They are refused, naming the node; the
+    recipes that need first derivatives only (and ggn_diagonal, whose batched backward pass cond cannot take: it
+    goes one cotangent at a time) answer as for the model with torch.sin, as do all with the differentiable
+    Functions."""
     def model(name):
         torch.manual_seed(37)
         return Branchy(SINES[name]).double()
 
     expected = flat(CURVATURE[recipe](model("torch.sin"), CE, X, T))
-    if recipe in SECOND_ORDER and sine in ("torch.cond", "a Function whose backward detaches"):
+    if recipe in SECOND_ORDER and sine in NOT_DIFFERENTIABLE:
         with pytest.raises(ValueError, match=r"the autograd node \w+Backward .* is not differentiable"):
             CURVATURE[recipe](model(sine), CE, X, T)
     else:
         assert torch.allclose(flat(CURVATURE[recipe](model(sine), CE, X, T)), expected, rtol=1e-10)
+
+
+@pytest.mark.parametrize("recipe", list(CURVATURE))
+def test_a_loss_whose_backward_is_not_differentiable_is_refused(recipe):
+    """A cross-entropy with a backward pass by hand, outside the graph: its node receives a constant gradient (the
+    loss's), so the hook asks whether a tensor it saved is in the graph. Every recipe that takes the loss's second
+    derivatives (all but the empirical Fisher's) answered wrongly, ggn_vp and ggn_diagonal with zeros (the loss
+    looked linear in the outputs); they are refused. gauss_newton_step takes them with torch.func, which autograd's
+    hooks do not see: one backward pass of the loss is checked first."""
+    fused = lambda out, t: FusedCrossEntropy.apply(out, t)  # noqa: E731
+    expected = flat(CURVATURE[recipe](model_and_loss(), CE, X, T))
+    if recipe == "empirical_fisher_vp":
+        assert torch.allclose(flat(CURVATURE[recipe](model_and_loss(), fused, X, T)), expected, rtol=1e-10)
+    else:
+        with pytest.raises(ValueError, match=r"the autograd node FusedCrossEntropyBackward .* is not differentiable"):
+            CURVATURE[recipe](model_and_loss(), fused, X, T)
 
 
 @pytest.mark.parametrize("recipe", list(ALL))

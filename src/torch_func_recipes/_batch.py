@@ -43,7 +43,8 @@ a module compiled by ``torch.compile`` (or  fullgraph=True: ValueError for every
 ``module.compile()``)                       run it inside torch.func's transforms); otherwise the
                                             per-example recipes answer (torch runs it eagerly there)
                                             and the curvature recipes: ValueError (no double backward);
-                                            pass the module before compiling (``._orig_mod``)
+                                            pass the module before compiling (``._orig_mod``); a
+                                            function compiled inside forward is not seen (torch's error)
 no parameter requires grad                  ValueError for every recipe
 called inside ``torch.no_grad()`` or        every recipe computes as outside them (gradients are
 ``torch.inference_mode()``                  enabled inside the call; inference tensors are copied);

@@ -87,6 +87,12 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "maps each module's own parameters by their short names, a parameter registered under two names "
                "included, which named_parameters(recurse=False) would drop as a duplicate",
                "module.named_parameters(recurse=False, remove_duplicate=False)", lambda: nn.Linear(1, 1)),
+    PrivateAPI("torch._C._functions", "import", ("curvature._differentiable_backward.check.hook",),
+               "autograd's node types; its Error is the node a once_differentiable backward hangs its gradients "
+               "off: they require grad, but a second "
+               "backward pass never reaches the error it raises, so without this type the curvature recipes "
+               "could not tell such a gradient from one in the graph",
+               None, None),
     PrivateAPI("Module._compiled_call_impl", "object attribute", ("_batch._compiled",),
                "module.compile() keeps the compiled call here, and no public API says whether a module was compiled "
                "so, nor with which options: one compiled with fullgraph=True fails inside torch.func's transforms, "

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, cast
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._C import _functions as _autograd_nodes
 from torch.func import functional_call, grad, jacrev, vjp, vmap
 
 from ._batch import (
@@ -88,10 +89,13 @@ def _no_random_draws(device, held=()):
 @contextlib.contextmanager
 def _differentiable_backward(roots):
     """Around a backward pass with create_graph=True from roots (tensors): refuse it where a node that autograd
-    does not write itself, a custom autograd.Function or a higher-order operator such as torch.cond, gave a gradient
-    outside the graph although the gradient it received was in it. Its backward pass is then not differentiable,
-    and every second derivative through it would be missing without a word (torch.cond's, in torch 2.13). The
-    nodes are found by walking the graph from roots; each gets a hook, removed on the way out."""
+    does not write itself, a custom autograd.Function or a higher-order operator such as torch.cond, gave one of its
+    inputs a gradient outside the graph (one that requires no grad, or hangs off once_differentiable's error node)
+    where it should be in it: the gradient it received is in the graph, or a tensor it saved requires grad. Its
+    backward pass is then not differentiable, and every second derivative through it would be missing without a
+    word (torch.cond's, in torch 2.13). The nodes are found by walking the graph from roots; each gets a hook,
+    removed on the way out. Not seen: a backward pass only partly outside the graph, or one that reads a tensor
+    computed in forward (which runs without a graph) and saved."""
     custom, seen = [], set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     while stack:
@@ -105,10 +109,15 @@ def _differentiable_backward(roots):
     broken: list[str] = []
 
     def check(node):
+        saved_in_graph = any(t is not None and t.requires_grad for t in node.saved_tensors)
+
         def hook(grads_out, grads_in):  # the gradients it gives its inputs, and the ones it received
-            if (any(g is not None and g.requires_grad for g in grads_in)
-                    and any(g is not None and not g.requires_grad for g in grads_out)):
-                broken.append(type(node).__name__)
+            if not (saved_in_graph or any(g is not None and g.requires_grad for g in grads_in)):
+                return  # its gradients may rightly be constants
+            for (edge, _), g in zip(node.next_functions, grads_out):
+                if edge is not None and g is not None and (not g.requires_grad or isinstance(g.grad_fn, _autograd_nodes.Error)):  # type: ignore[attr-defined]
+                    broken.append(type(node).__name__)
+                    return
         return hook
 
     handles = [node.register_hook(check(node)) for node in custom]
@@ -120,9 +129,19 @@ def _differentiable_backward(roots):
     if broken:
         raise ValueError(f"the autograd node {broken[0]} (a custom autograd.Function, or a higher-order operator such as "
                          "torch.cond) has a backward pass that is not differentiable: with create_graph=True it gave a "
-                         "gradient that does not depend on the one it received, so every second derivative through it "
-                         "would be silently missing; write its backward with differentiable operations, or take it out "
-                         "of the model for the curvature")
+                         "gradient outside the graph, so every second derivative through it would be silently missing; "
+                         "write its backward with differentiable operations (and without once_differentiable; return "
+                         "None for a derivative that is zero everywhere), or take it out of the model for the curvature")
+
+
+def _check_loss_twice_differentiable(loss_of_outputs, outputs):
+    """Where the loss's second derivatives in the outputs come from torch.func (which autograd's hooks do not
+    see): one backward pass of the loss with create_graph=True, under _differentiable_backward."""
+    o = outputs.detach().requires_grad_(True)
+    with torch.enable_grad():
+        loss = loss_of_outputs(o)
+        with _differentiable_backward([loss]):
+            torch.autograd.grad(loss, o, create_graph=True, allow_unused=True)
 
 
 def _is_batch_list(inputs, targets):
@@ -1018,6 +1037,7 @@ def gauss_newton_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], in
         with _no_random_draws(x.device, _held_generators(model)):
             jacobians.append(output_jacobian(model, x, select=lambda out: out.reshape(len(out), -1)).reshape(n, P))
         loss_of_outputs = lambda o, t=t, c=c: c * _scalar(loss_fn(o, t))
+        _check_loss_twice_differentiable(loss_of_outputs, outputs)
         residuals.append(grad(loss_of_outputs)(outputs).reshape(n))
         # jacrev of grad: the composition that is right through every layer (torch.func.hessian, jacfwd of
         # jacrev, is wrong through a LayerNorm in torch 2.13; see "Jacobians and Hessians")
