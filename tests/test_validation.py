@@ -361,6 +361,31 @@ def test_a_backward_pass_that_is_not_differentiable_is_refused(recipe, sine):
         assert torch.allclose(flat(CURVATURE[recipe](model(sine), CE, X, T)), expected, rtol=1e-10)
 
 
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_a_model_calling_torch_cond_is_answered_and_left_working(recipe):
+    """torch.cond on a constant, beside the examples. Under the fast path's trace (a dispatch mode) torch raised
+    inside the model ("no rule registered for HigherOrderOperator cond"), and in torch 2.13 one run of torch.cond
+    under any dispatch mode breaks every later call of it in the process: the user's own forward pass then failed
+    too. The trace now never runs such a model (the checks' passes, under a function mode, see the operator first),
+    vmap fails on it inside torch and the loop answers; ggn_diagonal's check that the examples are apart, by vmap,
+    raised, and now loops too. Every recipe answers as for the same constant written plainly, and the model still
+    runs afterwards; for one example too, where the examples' check does not run."""
+    ones = torch.ones(6, dtype=torch.float64)
+
+    def model(plain):
+        torch.manual_seed(38)
+        return Branchy(lambda h: torch.sin(h) + (torch.sin(ones) if plain else torch.cond(torch.tensor(True), torch.sin, torch.cos, (ones,)))).double()
+
+    for rows in (slice(None), slice(0, 1)):
+        x, t = X[rows], T[rows]
+        if recipe in CURVATURE and len(x) == 1:
+            continue
+        expected = flat(ALL[recipe](model(True), CE, x, t))
+        with_cond = model(False)
+        assert torch.allclose(flat(ALL[recipe](with_cond, CE, x, t)), expected, rtol=1e-10)
+        assert torch.allclose(with_cond(X), model(True)(X), rtol=1e-12)  # the user's own call still works
+
+
 @pytest.mark.parametrize("recipe", list(CURVATURE))
 def test_a_loss_whose_backward_is_not_differentiable_is_refused(recipe):
     """A cross-entropy with a backward pass by hand, outside the graph: its node receives a constant gradient (the

@@ -52,6 +52,12 @@ _TRACE = ("_trace._BatchTrace",)
 _SCREEN = ("_trace._fast_path_screen",)
 
 PRIVATE_APIS: tuple[PrivateAPI, ...] = (
+    PrivateAPI("torch._ops", "module attribute", ("_batch._GeneratorWatch.__torch_function__", "_trace._BatchTrace.__torch_dispatch__"),
+               "its HigherOrderOperator is the type of torch.cond's operator: the generator watch notes one (a model "
+               "calling one must not run under the trace's dispatch mode, which in torch 2.13 breaks the operator for "
+               "the rest of the process), and the trace, which supports them so that torch does not raise inside the "
+               "model, stops at one",
+               None, None),
     PrivateAPI("torch.utils._python_dispatch.TorchDispatchMode", "import", _TRACE,
                "only a dispatch mode sees every ATen operation of the forward pass with its schema, which the fast "
                "path's trace must check; torch.overrides.TorchFunctionMode sees Python calls before decomposition",

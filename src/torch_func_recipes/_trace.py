@@ -19,7 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ._batch import _Batch, _call_signature, _check_examples_apart, _per_model, _scalar_loss
+from ._batch import _Batch, _call_signature, _calls_higher_order, _check_examples_apart, _per_model, _scalar_loss
 from ._layers import _LayerRule, _rule_of, _rules_for
 
 
@@ -289,7 +289,14 @@ class _BatchTrace(TorchDispatchMode):
         self.used.setdefault(name, rule)
         return name
 
+    # Higher-order operators (torch.cond; torch's while_loop, map, scan) come to __torch_dispatch__ too, rather than
+    # raising inside torch for want of a rule: the trace cannot follow the examples into their subgraphs, so it
+    # stops. _traced_forward keeps a model that calls one from the trace altogether (_batch._calls_higher_order).
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            self.fail(f"{func.name()} is a higher-order operator, which the fast path does not follow")
         kwargs = kwargs or {}
         flat_args = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
         ids = [a._cdata for a in flat_args]  # the tensors' keys (class docstring)
@@ -571,7 +578,10 @@ def _traced_forward(model, batch, trainable, need="grads", owners=None):
     key = None if signature is None else (need, tuple(trainable), signature)
     if key is not None and key in failed:
         return None, None, failed[key]
-    output, layers, reason = _run_trace(model, batch, trainable, need, owners)
+    if _calls_higher_order(model, batch, signature):
+        output, layers, reason = None, None, "the model calls a higher-order operator (torch.cond, say), which the fast path does not follow"
+    else:
+        output, layers, reason = _run_trace(model, batch, trainable, need, owners)
     if reason is not None and key is not None:
         failed[key] = reason
     return output, layers, reason

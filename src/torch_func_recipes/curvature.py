@@ -260,6 +260,15 @@ def _loss_of_params(model, loss_fn, inputs, targets):
     return loss
 
 
+def _gradient(model, loss_fn, inputs, targets, params):
+    """The loss's gradient in the parameters, {name: tensor}, by autograd (which runs torch.cond, where
+    torch.func.grad raises inside torch in torch 2.13)."""
+    leaves = _leaves(params)
+    with torch.enable_grad():
+        loss = _loss_of_params(model, loss_fn, inputs, targets)(leaves)
+        return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()), materialize_grads=True)))
+
+
 def _accumulate(total, part, weight):
     """total + weight * part, for dicts of tensors (total None: nothing yet). No copy for a weight of 1 (one batch)."""
     if weight != 1.0:
@@ -631,12 +640,19 @@ def _ggn_diagonal_of_batch(model, loss_fn, inputs, targets, params, per_sample, 
     finally:
         for hook in hooks:
             hook.remove()
-    # each example alone: by vmap, or by a loop where a recurrent module cannot run under vmap
+    # each example alone: by vmap, or by a loop where a recurrent module cannot run under vmap, or where vmap
+    # raises, whatever the error (no message is read: a higher-order operator such as torch's map or while_loop)
+    def loop():
+        return torch.cat([functional_call(model, params, (inputs[n:n + 1],)) for n in range(len(inputs))])
+
     with torch.no_grad(), _no_random_draws(inputs.device, _held_generators(model)):
         if any(isinstance(m, nn.RNNBase) for m in modules):
-            alone = torch.cat([functional_call(model, params, (inputs[n:n + 1],)) for n in range(len(inputs))])
+            alone = loop()
         else:
-            alone = vmap(lambda x: functional_call(model, params, (x[None],))[0])(inputs)
+            try:
+                alone = vmap(lambda x: functional_call(model, params, (x[None],))[0])(inputs)
+            except Exception:
+                alone = loop()
     scale = outputs.detach().abs().max().item()
     if not torch.allclose(alone, outputs.detach(), rtol=1e-5, atol=1e-5 * scale):
         raise ValueError("the model mixes the examples of a batch (its outputs for an example alone differ from its "
@@ -1148,7 +1164,7 @@ def influence_scores(model: nn.Module, loss_fn: Callable[..., torch.Tensor], tra
     sizes = [p.numel() for p in params.values()]
     flatten = lambda d: torch.cat([d[n].reshape(-1) for n in params])
     hvp = _data_hvp(model, loss_fn, train, params)
-    test_gradient = sum(c * flatten(grad(_loss_of_params(model, loss_fn, x, t))(params)) for x, t, c in test)
+    test_gradient = sum(c * flatten(_gradient(model, loss_fn, x, t, params)) for x, t, c in test)
 
     def damped_hvp(vector):
         pieces = {n: piece.view(p.shape) for (n, p), piece in zip(params.items(), vector.split(sizes))}
