@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._higher_order_ops.while_loop import while_loop  # torch's own loop operator, not yet public
 
 import torch_func_recipes as tfr
 
@@ -335,8 +336,9 @@ class Branchy(nn.Module):
 SINES = {"torch.sin": torch.sin, "a Function with a differentiable backward": Sine.apply,
          "torch.cond": lambda h: torch.cond(h.sum() > -1e9, torch.sin, torch.cos, (h,)),  # always sin
          "a Function returning zeros for a constant": lambda h: MaskedSine.apply(h, torch.ones_like(h)),
-         "a Function whose backward detaches": SineDetached.apply, "a once_differentiable Function": SineOnce.apply}
-NOT_DIFFERENTIABLE = ("torch.cond", "a Function whose backward detaches", "a once_differentiable Function")
+         "a Function whose backward detaches": SineDetached.apply, "a once_differentiable Function": SineOnce.apply,
+         "torch's while_loop": lambda h: while_loop(lambda i, y: i < 1, lambda i, y: (i + 1, torch.sin(y)), (torch.tensor(0), h))[1]}
+NOT_DIFFERENTIABLE = ("torch.cond", "a Function whose backward detaches", "a once_differentiable Function", "torch's while_loop")
 SECOND_ORDER = ("param_hvp", "ggn_vp", "hessian_trace", "hessian_diagonal", "top_hessian_eigenvalues", "influence_scores")
 
 
@@ -345,7 +347,9 @@ SECOND_ORDER = ("param_hvp", "ggn_vp", "hessian_trace", "hessian_diagonal", "top
 def test_a_backward_pass_that_is_not_differentiable_is_refused(recipe, sine):
     """torch.cond's backward (torch 2.13), a Function computing its gradient outside the graph and a
     once_differentiable one give first derivatives with no graph of their own: every recipe that differentiates
-    twice lost the terms through them and answered wrongly, without a word. They are refused, naming the node; the
+    twice lost the terms through them and answered wrongly, without a word; torch's while_loop's backward stays in
+    the graph but its second derivatives are wrong (a higher-order operator's node is refused outright). They are
+    refused, naming the node; the
     recipes that need first derivatives only (and ggn_diagonal, whose batched backward pass cond cannot take: it
     goes one cotangent at a time) answer as for the model with torch.sin, as do all with the differentiable
     Functions."""
@@ -355,7 +359,7 @@ def test_a_backward_pass_that_is_not_differentiable_is_refused(recipe, sine):
 
     expected = flat(CURVATURE[recipe](model("torch.sin"), CE, X, T))
     if recipe in SECOND_ORDER and sine in NOT_DIFFERENTIABLE:
-        with pytest.raises(ValueError, match=r"the autograd node \w+Backward .* is not differentiable"):
+        with pytest.raises(ValueError, match=r"the autograd node \w+Backward .*(is not differentiable|higher-order operator's)"):
             CURVATURE[recipe](model(sine), CE, X, T)
     else:
         assert torch.allclose(flat(CURVATURE[recipe](model(sine), CE, X, T)), expected, rtol=1e-10)
@@ -366,10 +370,10 @@ def test_a_model_calling_torch_cond_is_answered_and_left_working(recipe):
     """torch.cond on a constant, beside the examples. Under the fast path's trace (a dispatch mode) torch raised
     inside the model ("no rule registered for HigherOrderOperator cond"), and in torch 2.13 one run of torch.cond
     under any dispatch mode breaks every later call of it in the process: the user's own forward pass then failed
-    too. The trace now never runs such a model (the checks' passes, under a function mode, see the operator first),
-    vmap fails on it inside torch and the loop answers; ggn_diagonal's check that the examples are apart, by vmap,
-    raised, and now loops too. Every recipe answers as for the same constant written plainly, and the model still
-    runs afterwards; for one example too, where the examples' check does not run."""
+    too. The trace now stops at the operator and clears the compiler's caches (torch.compiler.reset), which mends
+    that; vmap fails on it inside torch and the loop answers; ggn_diagonal's check that the examples are apart, by
+    vmap, raised, and now loops too. Every recipe answers as for the same constant written plainly, and the model
+    still runs afterwards; for one example too, where the examples' check does not run."""
     ones = torch.ones(6, dtype=torch.float64)
 
     def model(plain):
@@ -384,6 +388,39 @@ def test_a_model_calling_torch_cond_is_answered_and_left_working(recipe):
         with_cond = model(False)
         assert torch.allclose(flat(ALL[recipe](with_cond, CE, x, t)), expected, rtol=1e-10)
         assert torch.allclose(with_cond(X), model(True)(X), rtol=1e-12)  # the user's own call still works
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+def test_a_torch_cond_the_checks_do_not_see_leaves_the_model_working(recipe):
+    """torch.cond taken only with gradients on: the checks' passes run under no_grad and do not see it, so the trace
+    meets it, and the operator is broken for the rest of the process (torch 2.13); the trace stops there and clears
+    the compiler's caches (torch.compiler.reset), which mends it. The recipe answers as for torch.sin, and the model
+    runs afterwards, with and without gradients."""
+    def model(use_cond):
+        def sine(h):
+            if use_cond and torch.is_grad_enabled():
+                return torch.cond(torch.tensor(True), torch.sin, torch.cos, (h,))
+            return torch.sin(h)
+        torch.manual_seed(39)
+        return Branchy(sine).double()
+
+    with_cond = model(True)
+    assert torch.allclose(flat(PER_EXAMPLE[recipe](with_cond, CE, X, T)), flat(PER_EXAMPLE[recipe](model(False), CE, X, T)), rtol=1e-10)
+    assert torch.allclose(with_cond(X), model(False)(X), rtol=1e-12)
+    with torch.no_grad():
+        assert torch.allclose(with_cond(X), model(False)(X), rtol=1e-12)
+
+
+def test_output_jacobian_remembers_its_checks_per_model():
+    """output_jacobian traces a new function of the model on every call (model, then select): what the trace and the
+    checks remember is kept per model, so a second call runs the model once, as per_sample_grads does."""
+    model = model_and_loss()
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    expected = tfr.output_jacobian(model, X)
+    for _ in range(2):
+        calls.clear()
+        assert torch.equal(tfr.output_jacobian(model, X), expected) and len(calls) == 1
 
 
 @pytest.mark.parametrize("recipe", list(CURVATURE))

@@ -45,10 +45,11 @@ a module compiled by ``torch.compile`` (or  fullgraph=True: ValueError for every
                                             and the curvature recipes: ValueError (no double backward);
                                             pass the module before compiling (``._orig_mod``); a
                                             function compiled inside forward is not seen (torch's error)
-a forward pass calling ``torch.cond`` (a     per-example recipes: the loop (the fast path's trace must
-higher-order operator)                      not run it, ``_calls_higher_order``; vmap raises inside
-                                            torch); curvature recipes answer, or refuse where a second
-                                            derivative would pass through its backward pass
+a forward pass calling ``torch.cond`` (a     per-example recipes: the loop (the fast path's trace stops
+higher-order operator)                      at it and mends what torch 2.13 breaks by running it under
+                                            a dispatch mode, ``torch.compiler.reset()``; vmap raises
+                                            inside torch); curvature recipes answer, or refuse where a
+                                            second derivative would pass through its backward pass
 no parameter requires grad                  ValueError for every recipe
 called inside ``torch.no_grad()`` or        every recipe computes as outside them (gradients are
 ``torch.inference_mode()``                  enabled inside the call; inference tensors are copied);
@@ -131,12 +132,9 @@ class _GeneratorWatch(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # id -> (generator, state first seen)
-        self.higher_order = False  # whether a higher-order operator (torch.cond) was called: _calls_higher_order
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            self.higher_order = True
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Generator) and id(value) not in self.generators:
                 self.generators[id(value)] = (value, value.get_state())
@@ -389,7 +387,6 @@ def _clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
 # signature}}; and whether the model's forward pass drew random numbers, {model: {call signature: bool}}. A model
 # that is freed takes its entries with it.
 _APART: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_HIGHER_ORDER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # {model: {signature: calls one}}
 _DRAWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -468,8 +465,6 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
             before = _generator_states(cuda, held)
             with watch:
                 together = tree_flatten(batch.rows(slice(0, 2)).call(model))[0]
-            if signature is not None:
-                _per_model(_HIGHER_ORDER, model, dict)[signature] = watch.higher_order
             # a moved generator, or one drawn from that the states do not cover, means random draws, or a pass that
             # re-seeds a generator and is deterministic: a second pass, from where the first left the generators,
             # gives other outputs only in the first case
@@ -505,39 +500,6 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
                              "of its own; compute it per example (BatchNorm: model.eval(), or GroupNorm/LayerNorm)")
     if signature is not None:
         passed.add(signature)
-
-
-def _calls_higher_order(model: Any, batch: _Batch, signature: tuple | None = None) -> bool:
-    """Whether the model's forward pass calls a higher-order operator (torch.cond; torch's while_loop, map, scan),
-    which the fast path's trace must not run: in torch 2.13 one run under any dispatch mode breaks every later call
-    of that operator in the process, the user's own plain calls included (Dynamo's "torch.* op returned
-    non-Tensor"), where a function mode leaves it working. Seen by _GeneratorWatch on _check_examples_apart's first
-    pass and remembered per call signature; where that check did not run (a batch of one, a random module in
-    training mode, a pass that raised), by one pass of the first example, under no_grad, with every generator put
-    back. A pass that raises before the operator does not see it. signature: _call_signature(model, batch), where
-    the caller has it."""
-    signature = signature if signature is not None else _call_signature(model, batch)
-    memory = _per_model(_HIGHER_ORDER, model, dict)
-    if signature is not None and signature in memory:
-        return memory[signature]
-    if len(batch) == 0:
-        return False
-    module = isinstance(model, nn.Module)
-    held = _held_generators(model) if module else []
-    saved = [g.get_state() for g in held]
-    watch = _GeneratorWatch()
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(model, batch) if module else []), watch:
-            batch.rows(slice(0, 1)).call(model)
-    except Exception:  # the recipe's own path meets the error (no message is read here)
-        pass
-    finally:
-        for generator, state in zip(held, saved):
-            generator.set_state(state)
-        watch.restore(held)
-    if signature is not None:
-        memory[signature] = watch.higher_order
-    return watch.higher_order
 
 
 def _tolerance(output: torch.Tensor) -> float:

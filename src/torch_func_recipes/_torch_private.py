@@ -52,11 +52,10 @@ _TRACE = ("_trace._BatchTrace",)
 _SCREEN = ("_trace._fast_path_screen",)
 
 PRIVATE_APIS: tuple[PrivateAPI, ...] = (
-    PrivateAPI("torch._ops", "module attribute", ("_batch._GeneratorWatch.__torch_function__", "_trace._BatchTrace.__torch_dispatch__"),
-               "its HigherOrderOperator is the type of torch.cond's operator: the generator watch notes one (a model "
-               "calling one must not run under the trace's dispatch mode, which in torch 2.13 breaks the operator for "
-               "the rest of the process), and the trace, which supports them so that torch does not raise inside the "
-               "model, stops at one",
+    PrivateAPI("torch._ops", "module attribute", ("_trace._BatchTrace.__torch_dispatch__",),
+               "its HigherOrderOperator is the type of torch.cond's operator: the trace, which supports them so that "
+               "torch does not raise inside the model, stops at one (and then mends the process, which running one "
+               "under a dispatch mode breaks in torch 2.13)",
                None, None),
     PrivateAPI("torch.utils._python_dispatch.TorchDispatchMode", "import", _TRACE,
                "only a dispatch mode sees every ATen operation of the forward pass with its schema, which the fast "
@@ -99,6 +98,13 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "backward pass never reaches the error it raises, so without this type the curvature recipes "
                "could not tell such a gradient from one in the graph",
                None, None),
+    PrivateAPI("BackwardCFunction._forward_cls", "object attribute", ("curvature._differentiable_backward",),
+               "the autograd.Function class a custom node belongs to: the one way to tell a higher-order operator's "
+               "node (its class is defined in torch._higher_order_ops), whose second derivatives torch 2.13 gets "
+               "wrong, from a user's Function",
+               None, lambda: type("Same", (torch.autograd.Function,), {  # a node of a Function made on the spot
+                   "forward": staticmethod(lambda ctx, x: x.clone()), "backward": staticmethod(lambda ctx, g: g),
+               }).apply(torch.ones(1, requires_grad=True)).grad_fn),  # type: ignore[attr-defined]
     PrivateAPI("Module._compiled_call_impl", "object attribute", ("_batch._compiled",),
                "module.compile() keeps the compiled call here, and no public API says whether a module was compiled "
                "so, nor with which options: one compiled with fullgraph=True fails inside torch.func's transforms, "

@@ -19,7 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ._batch import _Batch, _call_signature, _calls_higher_order, _check_examples_apart, _per_model, _scalar_loss
+from ._batch import _Batch, _call_signature, _check_examples_apart, _per_model, _scalar_loss
 from ._layers import _LayerRule, _rule_of, _rules_for
 
 
@@ -227,6 +227,7 @@ class _BatchTrace(TorchDispatchMode):
         self.layers = []      # dicts: kind, weight, bias (names or None), a, z, r, conv arguments
         self.used = {}        # name of a parameter used -> the rule of its first use
         self.failure = None
+        self.met_higher_order = False  # _run_trace then mends the process (torch.compiler.reset)
         self.unknown = set()
         self.fresh = {}       # key(a layer's output no operation has read yet) -> that layer
 
@@ -291,11 +292,13 @@ class _BatchTrace(TorchDispatchMode):
 
     # Higher-order operators (torch.cond; torch's while_loop, map, scan) come to __torch_dispatch__ too, rather than
     # raising inside torch for want of a rule: the trace cannot follow the examples into their subgraphs, so it
-    # stops. _traced_forward keeps a model that calls one from the trace altogether (_batch._calls_higher_order).
+    # stops. Running one under a dispatch mode has broken the operator for the rest of the process (torch 2.13):
+    # _run_trace mends it.
     supports_higher_order_operators = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if isinstance(func, torch._ops.HigherOrderOperator):
+            self.met_higher_order = True
             self.fail(f"{func.name()} is a higher-order operator, which the fast path does not follow")
         kwargs = kwargs or {}
         flat_args = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
@@ -568,20 +571,19 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
 _FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _traced_forward(model, batch, trainable, need="grads", owners=None):
+def _traced_forward(model, batch, trainable, need="grads", owners=None, memo=None):
     """Runs the model (or a function calling it) on a _Batch under the trace. Returns (output, layers, None)
     or (None, None, reason). need: what the caller asks of the layer rules ("grads", "jacobian", "norms");
     owners: from _owner_rules on the model. A trace that failed for this model and call signature before is
-    not run again: its reason is returned at once."""
-    failed = _per_model(_FAILED, model, dict)
-    signature = _call_signature(model, batch)  # shapes, dtypes, devices, other arguments, modes, grad mode
+    not run again: its reason is returned at once. memo: the model whose memory that is kept in (default: model;
+    output_jacobian passes its model, where `model` is a new function of it on every call)."""
+    memo = model if memo is None else memo
+    failed = _per_model(_FAILED, memo, dict)
+    signature = _call_signature(memo, batch)  # shapes, dtypes, devices, other arguments, modes, grad mode
     key = None if signature is None else (need, tuple(trainable), signature)
     if key is not None and key in failed:
         return None, None, failed[key]
-    if _calls_higher_order(model, batch, signature):
-        output, layers, reason = None, None, "the model calls a higher-order operator (torch.cond, say), which the fast path does not follow"
-    else:
-        output, layers, reason = _run_trace(model, batch, trainable, need, owners)
+    output, layers, reason = _run_trace(model, batch, trainable, need, owners)
     if reason is not None and key is not None:
         failed[key] = reason
     return output, layers, reason
@@ -603,6 +605,12 @@ def _run_trace(model, batch, trainable, need, owners):
         return None, None, str(stop)
     finally:
         torch.set_autocast_cache_enabled(cache)
+        if tracer.met_higher_order:
+            # torch 2.13 runs a higher-order operator in eager mode by compiling it, and one compiled under a dispatch
+            # mode fails in every later call (Dynamo's "torch.* op returned non-Tensor"), the user's own included:
+            # clearing the compiler's caches mends that. The user's compiled functions then compile again on their
+            # next call. Once per model and call signature: the failed trace is remembered.
+            torch.compiler.reset()
     if getattr(tracer, "failure", None):  # the model's forward caught the trace's exception
         return None, None, tracer.failure
     leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]

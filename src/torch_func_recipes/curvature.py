@@ -94,8 +94,10 @@ def _differentiable_backward(roots):
     where it should be in it: the gradient it received is in the graph, or a tensor it saved requires grad. Its
     backward pass is then not differentiable, and every second derivative through it would be missing without a
     word (torch.cond's, in torch 2.13). The nodes are found by walking the graph from roots; each gets a hook,
-    removed on the way out. Not seen: a backward pass only partly outside the graph, or one that reads a tensor
-    computed in forward (which runs without a graph) and saved."""
+    removed on the way out. A higher-order operator's node is refused outright, before the pass: torch's
+    while_loop's backward (torch 2.13) stays in the graph but gives wrong second derivatives. Not seen: a backward
+    pass only partly outside the graph, or one that reads a tensor computed in forward (which runs without a graph)
+    and saved."""
     custom, seen = [], set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     while stack:
@@ -105,6 +107,12 @@ def _differentiable_backward(roots):
         seen.add(node)
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             custom.append(node)
+            if node._forward_cls.__module__.startswith("torch._higher_order_ops"):  # type: ignore[attr-defined]
+                raise ValueError(f"the autograd node {type(node).__name__} is a higher-order operator's (torch.cond, torch's "
+                                 "while_loop, map, scan): in torch 2.13 their backward passes are not twice "
+                                 "differentiable as they should be (torch.cond's leaves the graph; while_loop's gives "
+                                 "wrong second derivatives without a word), so second derivatives through it are "
+                                 "refused; compute both branches and pick with torch.where, or unroll the loop")
         stack += [child for child, _ in node.next_functions if child is not None]
     broken: list[str] = []
 

@@ -83,7 +83,7 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
             start = 0
             while start < size and reason is None:
                 rows = slice(start, start + step)
-                out, reason = _fast_jacobian_chunk(forward, trainable, batch.rows(rows), out, rows, size, total, owners)
+                out, reason = _fast_jacobian_chunk(forward, model, trainable, batch.rows(rows), out, rows, size, total, owners)
                 start += step
             if reason is None:
                 assert out is not None  # written by the first chunk
@@ -131,8 +131,8 @@ def _result_buffer(out, batch, n_out, total, like, trainable):
     return out
 
 
-def _fast_jacobian_chunk(forward, trainable, part, out, rows, batch, total, owners):
-    output, layers, reason = _traced_forward(forward, part, trainable, "jacobian", owners)
+def _fast_jacobian_chunk(forward, model, trainable, part, out, rows, batch, total, owners):
+    output, layers, reason = _traced_forward(forward, part, trainable, "jacobian", owners, memo=model)
     if reason is not None:
         return out, reason
     _output_rows(output, len(part))
