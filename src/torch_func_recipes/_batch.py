@@ -318,13 +318,14 @@ def _compiled(module: nn.Module) -> str | None:
     compiled_call = module._compiled_call_impl
     if options is None and compiled_call is None:
         return None
-    for cell in (getattr(compiled_call, "__closure__", None) or ()) if options is None else ():
-        try:
-            held = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if hasattr(held, "fullgraph"):
-            options = held
+    if options is None:  # module.compile(...): the options are in the compiled call's closure
+        for cell in getattr(compiled_call, "__closure__", None) or ():
+            try:
+                held = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if hasattr(held, "fullgraph"):
+                options = held
     return "fullgraph" if getattr(options, "fullgraph", False) is True else "compiled"
 
 
