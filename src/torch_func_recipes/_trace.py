@@ -297,31 +297,38 @@ class _BatchTrace(TorchDispatchMode):
     supports_higher_order_operators = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            self.met_higher_order = True
-            self.fail(f"{func.name()} is a higher-order operator, which the fast path does not follow")
-        kwargs = kwargs or {}
-        flat_args = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
+        # Run for every operation of the forward pass, so kept lean: the operator's plan is looked up by id, each
+        # tensor's key read once, and the general rules (rule) get the tensors found here.
+        plan = self.plans.get(id(func))
+        if plan is None or plan.func is not func:
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                self.met_higher_order = True
+                self.fail(f"{func.name()} is a higher-order operator, which the fast path does not follow")
+            plan = self.plan_of(func)
+        flat_args = _tensors_in(args)
+        if kwargs:
+            flat_args += _tensors_in(kwargs.values())
+        else:
+            kwargs = {}
         ids = [a._cdata for a in flat_args]  # the tensors' keys (class docstring)
         refs = self.refs
         for i, a in zip(ids, flat_args):
             if i not in refs:
                 self.admit(func, a)
         result = func(*args, **kwargs)
-        outs = _tensors_in((result,))
+        outs = [result] if isinstance(result, torch.Tensor) else _tensors_in((result,))
         for t in outs:  # reserve the results' keys (class docstring); an in-place result is its input, met before
             if t._cdata not in refs:
                 refs[t._cdata] = _WeakTensorRef(t)
-        plan = self.plan_of(func)
-        if self.unknown and any(i in self.unknown for i in ids):
+        if self.unknown and not self.unknown.isdisjoint(ids):
             self.fail(f"{func} uses a side result whose rows are not the examples")
-        if self.fresh:
+        if self.fresh and not self.fresh.keys().isdisjoint(ids):  # follow_fresh has nothing to do otherwise
             self.follow_fresh(func, args, ids)
         rows, trainable = self.rows, self.trainable
         rs = {rows[i] for i in ids if i in rows}
         params = [trainable[i] for i in ids if i in trainable]
         transposed = [self.transposed[i] for i in ids if i in self.transposed] if self.transposed else []
-        shared = [i for i in ids if i in self.shared] if self.shared else []
+        shared = self.shared and not self.shared.keys().isdisjoint(ids)
         for index, name in plan.writes:
             value = args[index] if index < len(args) else kwargs.get(name)
             if isinstance(value, torch.Tensor):
@@ -334,15 +341,17 @@ class _BatchTrace(TorchDispatchMode):
         if len(rs) > 1:
             self.fail(f"{func} combines tensors with different numbers of rows per example")
         r = rs.pop() if rs else None
-        out_r = self.rule(func, args, kwargs, result, r, params, transposed, plan)
-        for t in outs:
-            if r is not None and plan.allocates:  # new memory made from example data (a view's is its base's)
-                self.hold_memory(t)
-            if out_r is not None:
-                if t.dim() == 0 or t.shape[0] != self.batch * out_r:
-                    self.unknown.add(t._cdata)  # a side result (e.g. saved statistics): must not be used
-                else:
-                    self.rows[t._cdata] = out_r
+        out_r = self.rule(func, args, kwargs, result, r, params, transposed, plan, flat_args, outs)
+        if out_r is not None or (r is not None and plan.allocates):
+            size = None if out_r is None else self.batch * out_r
+            for t in outs:
+                if r is not None and plan.allocates:  # new memory made from example data (a view's is its base's)
+                    self.hold_memory(t)
+                if size is not None:
+                    if t.dim() == 0 or t.shape[0] != size:
+                        self.unknown.add(t._cdata)  # a side result (e.g. saved statistics): must not be used
+                    else:
+                        rows[t._cdata] = out_r
         return result
 
     # In-place additions whose gradient with respect to the tensor they change is the identity: a residual added
@@ -363,7 +372,9 @@ class _BatchTrace(TorchDispatchMode):
         for i in ids:
             self.fresh.pop(i, None)
 
-    def rule(self, func, args, kwargs, result, r, params, transposed, plan=None):
+    def rule(self, func, args, kwargs, result, r, params, transposed, plan=None, tensors=None, out=None):
+        """The rows per example of func's results (None: no example data in them), or fail. tensors, out: func's
+        tensor arguments and results, where the caller has them."""
         B = self.batch
         plan = plan or self.plan_of(func)
         for layer_rule in plan.rules:  # operations that use a layer's parameters: the registry's rules (_layers)
@@ -378,7 +389,8 @@ class _BatchTrace(TorchDispatchMode):
                 return None
         if params or transposed:
             self.fail(f"{func} uses parameter {(params + transposed)[0]} in a way the fast path does not know")
-        tensors = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
+        if tensors is None:
+            tensors = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
         if self.shared and any(a._cdata in self.shared for a in tensors):  # a tensor every example shares, made from a parameter
             if func is self.aten.detach.default:
                 return None  # a constant from here on: no gradient flows back through it
@@ -389,7 +401,8 @@ class _BatchTrace(TorchDispatchMode):
             self.fail(f"{func} uses a tensor made from a parameter for every example in a way the fast path does not know")
         if r is None:  # derived from constants only
             return None
-        out = _tensors_in((result,))
+        if out is None:
+            out = _tensors_in((result,))
         category = plan.category
         if category == "constant":
             for t in out:
@@ -397,8 +410,10 @@ class _BatchTrace(TorchDispatchMode):
                     self.rows.pop(t._cdata, None)
             return None
         if category == "per_row":
-            if any(self.r_of(a) is not None and a.dim() != out[0].dim() for a in tensors):
-                self.fail(f"{func} broadcasts example data along another dimension")
+            ndim, rows = out[0].dim(), self.rows
+            for a in tensors:
+                if a._cdata in rows and a.dim() != ndim:
+                    self.fail(f"{func} broadcasts example data along another dimension")
             return r
         if category == "row_preserving":
             t = out[0]
