@@ -249,6 +249,33 @@ def test_a_compiled_model_is_refused_where_torch_cannot_run_it(recipe, how):
         assert torch.allclose(flat(ALL[recipe](compiled, CE, X, T)), flat(ALL[recipe](model_and_loss(), CE, X, T)), rtol=1e-10)
 
 
+class Forwarding(nn.Module):
+    """A wrapper that holds a module without registering it and forwards unknown attributes to it (as some wrappers
+    do), with a head of its own: only getattr on the wrapper sees that it is compiled."""
+
+    def __init__(self, inner):
+        super().__init__()
+        object.__setattr__(self, "inner", inner)
+        self.head = nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["inner"], name)
+
+
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_a_wrapper_forwarding_to_a_compiled_model_is_refused_by_name(recipe):
+    """_compiled reads dynamo_ctx as getattr does, through a class's own __getattr__: reading only the instance's
+    attributes, this wrapper passed the check and torch raised inside the trace instead ('found no compiled frames')."""
+    with pytest.raises(ValueError, match=r"the model \(Forwarding\) was compiled with fullgraph=True"):
+        ALL[recipe](Forwarding(torch.compile(model_and_loss(), fullgraph=True)), CE, X, T)
+
+
 class Sine(torch.autograd.Function):
     """sin with a backward pass written in differentiable operations: second derivatives go through it."""
 

@@ -314,7 +314,10 @@ def _compiled(module: nn.Module) -> str | None:
     """How torch.compile made this module: "fullgraph" (compiled with fullgraph=True), "compiled", or None where it
     did not. torch.compile(module, ...) returns a module holding its options (dynamo_ctx); module.compile(...)
     keeps the compiled call, whose closure holds them."""
-    options = vars(module).get("dynamo_ctx")  # an attribute torch.compile sets; getattr's miss costs 1 us a module
+    if hasattr(type(module), "dynamo_ctx") or type(module).__getattr__ is not nn.Module.__getattr__:
+        options = getattr(module, "dynamo_ctx", None)  # a class of its own may define or forward it (a wrapper)
+    else:  # the same lookup, without Module.__getattr__'s miss (1 us a module on every call)
+        options = vars(module).get("dynamo_ctx")
     compiled_call = module._compiled_call_impl
     if options is None and compiled_call is None:
         return None

@@ -410,9 +410,9 @@ class _BatchTrace(TorchDispatchMode):
                     self.rows.pop(t._cdata, None)
             return None
         if category == "per_row":
-            ndim, rows = out[0].dim(), self.rows
+            ndim, known = out[0].dim(), self.rows
             for a in tensors:
-                if a._cdata in rows and a.dim() != ndim:
+                if a._cdata in known and a.dim() != ndim:
                     self.fail(f"{func} broadcasts example data along another dimension")
             return r
         if category == "row_preserving":
