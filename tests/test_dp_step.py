@@ -104,3 +104,29 @@ def test_the_bound_check_catches_norms_from_another_forward_pass():
         scale = (C / (norm + 1e-6)).clamp(max=1.0)
         worst = max(worst, scale.item() * torch.cat([g.flatten() for g in grads]).norm().item())
     assert worst > C * 1.01
+
+
+def test_the_step_keeps_a_layers_per_example_gradients_when_they_are_no_larger_than_its_output_gradient(monkeypatch):
+    """A linear layer on T = d_in tokens has per-example weight gradients exactly as large as its output gradient:
+    the step keeps them (one product, then a weighted sum: 1/T of the weight product more) rather than the output
+    gradient and pairs of tokens (which cost 1.25 times the product on ConvNeXt's pointwise layers). The bias's
+    share, 1/T of the output gradient, is not held against it: counting it too, this layer kept its output gradient.
+    The clipped sum equals the loop's either way."""
+    from torch_func_recipes import per_sample
+
+    kept = []
+    small_shares = per_sample._small_shares
+    monkeypatch.setattr(per_sample, "_small_shares", lambda *args: kept.append(small_shares(*args)) or kept[-1])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(5, 6, 6, dtype=torch.float64), torch.randint(3, (5,), generator=torch.Generator().manual_seed(1))
+    loss = lambda out, t: F.cross_entropy(out.mean(1), t)  # noqa: E731
+    clipped, how = tfr.clipped_grad_sum(model, loss, x, y, max_norm=C, report=True)
+    assert how.path == "fast" and kept == [None, ["0.weight", "0.bias"]]  # the hooks run from the output back
+    expected = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for i in range(5):
+        grads = torch.autograd.grad(loss(model(x[i:i + 1]), y[i:i + 1]), list(model.parameters()))
+        scale = min(1.0, C / (torch.cat([g.flatten() for g in grads]).norm().item() + 1e-6))
+        for (n, _), g in zip(model.named_parameters(), grads):
+            expected[n] += scale * g
+    assert all(torch.allclose(clipped[n], expected[n], rtol=1e-10, atol=1e-15) for n in expected)

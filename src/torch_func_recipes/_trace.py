@@ -297,19 +297,14 @@ class _BatchTrace(TorchDispatchMode):
     supports_higher_order_operators = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # Run for every operation of the forward pass, so kept lean: the operator's plan is looked up by id, each
-        # tensor's key read once, and the general rules (rule) get the tensors found here.
-        plan = self.plans.get(id(func))
+        plan = self.plans.get(id(func))  # run for every operation: kept lean (each key read once, tensors passed on)
         if plan is None or plan.func is not func:
             if isinstance(func, torch._ops.HigherOrderOperator):
                 self.met_higher_order = True
                 self.fail(f"{func.name()} is a higher-order operator, which the fast path does not follow")
             plan = self.plan_of(func)
-        flat_args = _tensors_in(args)
-        if kwargs:
-            flat_args += _tensors_in(kwargs.values())
-        else:
-            kwargs = {}
+        kwargs = kwargs or {}
+        flat_args = _tensors_in(args) + _tensors_in(kwargs.values()) if kwargs else _tensors_in(args)
         ids = [a._cdata for a in flat_args]  # the tensors' keys (class docstring)
         refs = self.refs
         for i, a in zip(ids, flat_args):
@@ -342,16 +337,14 @@ class _BatchTrace(TorchDispatchMode):
             self.fail(f"{func} combines tensors with different numbers of rows per example")
         r = rs.pop() if rs else None
         out_r = self.rule(func, args, kwargs, result, r, params, transposed, plan, flat_args, outs)
-        if out_r is not None or (r is not None and plan.allocates):
-            size = None if out_r is None else self.batch * out_r
-            for t in outs:
-                if r is not None and plan.allocates:  # new memory made from example data (a view's is its base's)
-                    self.hold_memory(t)
-                if size is not None:
-                    if t.dim() == 0 or t.shape[0] != size:
-                        self.unknown.add(t._cdata)  # a side result (e.g. saved statistics): must not be used
-                    else:
-                        rows[t._cdata] = out_r
+        for t in outs:
+            if r is not None and plan.allocates:  # new memory made from example data (a view's is its base's)
+                self.hold_memory(t)
+            if out_r is not None:
+                if t.dim() == 0 or t.shape[0] != self.batch * out_r:
+                    self.unknown.add(t._cdata)  # a side result (e.g. saved statistics): must not be used
+                else:
+                    rows[t._cdata] = out_r
         return result
 
     # In-place additions whose gradient with respect to the tensor they change is the identity: a residual added
@@ -373,8 +366,7 @@ class _BatchTrace(TorchDispatchMode):
             self.fresh.pop(i, None)
 
     def rule(self, func, args, kwargs, result, r, params, transposed, plan=None, tensors=None, out=None):
-        """The rows per example of func's results (None: no example data in them), or fail. tensors, out: func's
-        tensor arguments and results, where the caller has them."""
+        """The rows per example of func's results (None: none), or fail; tensors, out: its tensor arguments and results."""
         B = self.batch
         plan = plan or self.plan_of(func)
         for layer_rule in plan.rules:  # operations that use a layer's parameters: the registry's rules (_layers)
@@ -389,8 +381,7 @@ class _BatchTrace(TorchDispatchMode):
                 return None
         if params or transposed:
             self.fail(f"{func} uses parameter {(params + transposed)[0]} in a way the fast path does not know")
-        if tensors is None:
-            tensors = _tensors_in(args) + (_tensors_in(kwargs.values()) if kwargs else [])
+        tensors = _tensors_in(args) + _tensors_in(kwargs.values()) if tensors is None else tensors
         if self.shared and any(a._cdata in self.shared for a in tensors):  # a tensor every example shares, made from a parameter
             if func is self.aten.detach.default:
                 return None  # a constant from here on: no gradient flows back through it
@@ -401,8 +392,7 @@ class _BatchTrace(TorchDispatchMode):
             self.fail(f"{func} uses a tensor made from a parameter for every example in a way the fast path does not know")
         if r is None:  # derived from constants only
             return None
-        if out is None:
-            out = _tensors_in((result,))
+        out = _tensors_in((result,)) if out is None else out
         category = plan.category
         if category == "constant":
             for t in out:

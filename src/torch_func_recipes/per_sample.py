@@ -445,14 +445,19 @@ def _lowest_layers(layers):
 
 def _small_shares(layer, g, trainable, batch):
     """The names of the layer's own parameters where the DP step keeps their per-example gradients instead of the
-    layer's output gradient g: where they take no more memory than g (a normalisation layer's scale and shift, a
-    convolution with few weights and many positions), so that forming them once serves both the norms and the
-    clipped sum. None elsewhere. Forming them then costs no more than the norms' other ways: a product over the
-    positions whose result is no larger than its input."""
+    layer's output gradient g: where the largest of them (the weight's) takes no more memory than g (a
+    normalisation layer's scale and shift, a convolution with few weights and many positions, a linear layer on
+    at least d_in tokens), so that forming them once serves both the norms and the clipped sum. None elsewhere.
+    The bias's share, 1/T of g for T positions, is not counted against it: counting it turned away ConvNeXt's
+    pointwise layers (d_in = T = 64), whose pairs of positions then cost 1.25 times the weight product, where
+    keeping the product costs it once (it stands in for the weighted sum's) plus 1/T to weight it. Forming the
+    shares costs no more than the norms' other ways: a product over the positions whose result is no larger than
+    its input."""
     own = [name for name in (layer["weight"], layer["bias"]) if name is not None]
     if not own or not _rule_named(layer["kind"]).supports("grads"):
         return None
-    return own if batch * sum(trainable[name].numel() for name in own) <= g.numel() else None
+    largest = max(trainable[name].numel() for name in own)  # the weight's, where the layer has one
+    return own if batch * largest <= g.numel() else None
 
 
 def _clipped_from_outputs(layers, kept, shares, weights, trainable):
