@@ -4,7 +4,8 @@ For each model family (small configurations of `transformers` models, random wei
 batch size and precision (float32 with TF32 off, or bfloat16 under autocast), each method's time is the
 median over interleaved rounds of its ratio to the same round's batch gradient; peak memory is what the
 call allocates beyond the model and data, as a multiple of B*P float32 numbers (all per-example gradients at
-once). Before timing, the recipes are checked against plain vmap(grad) on each family in float32. Two baselines
+once; on a CPU, the bytes of the tensors the call creates, counted by book/_shared/measure.py). Before timing,
+the recipes are checked against plain vmap(grad) on each family in float32. Two baselines
 are timed beside them: writing B*P floats (a batch gradient plus that is the floor of per_sample_grads) and the DP
 step's noise, P Gaussian numbers (a batch gradient plus that is the DP step's floor).
 
@@ -19,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
+import importlib.util
 import json
 import os
 import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -128,6 +132,21 @@ def opacus_ways(model, key, select, x, y, notes):
     except Exception as e:  # noqa: BLE001
         notes.append(f"Opacus ghost: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
     return ways
+
+
+@functools.cache
+def _measure():
+    """The book's own measuring module, book/_shared/measure.py (loaded from its file: it is no package)."""
+    spec = importlib.util.spec_from_file_location("measure", Path(__file__).resolve().parents[1] / "book" / "_shared" / "measure.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _peak_tensor_memory(f) -> int:
+    """The peak bytes of the tensors f() creates, by the book's own counter (a dispatch mode: the same count on any
+    device, and what the chapters' CPU memory figures use)."""
+    return _measure().peak_tensor_memory(f)
 
 
 def _cpu_name() -> str:
@@ -330,6 +349,9 @@ def main(argv: list[str] | None = None) -> None:
                             f()
                             sync()
                             peak[k] = (torch.cuda.max_memory_allocated() - base) / (4 * B * P)
+                    else:  # the bytes of the tensors each call creates, counted as Chapter 11 counts its CPU figures
+                        for k, f in ways.items():
+                            peak[k] = _peak_tensor_memory(f) / (4 * B * P)
                     ratios: dict = {k: [] for k in ways}
                     batch_ms = []
                     for _ in range(args.rounds):

@@ -57,7 +57,7 @@ def test_bfloat16_no_worse_than_vmap_is_checked(tmp_path, monkeypatch):
 
 def test_the_cpu_table_options_narrow_the_run(tmp_path, monkeypatch):
     """--families, --sizes, --dtypes and --methods pick what is checked and timed (one tiny cell is timed here;
-    its figures are not looked at), and the record names the processor. The baselines are always timed, the DP
+    its times are not looked at), and the record names the processor and, on a CPU too, each call's peak memory. The baselines are always timed, the DP
     step's noise among them: the P Gaussian numbers of the whole model."""
     drawn, right = [], tfr.noised_mean
 
@@ -74,6 +74,9 @@ def test_the_cpu_table_options_narrow_the_run(tmp_path, monkeypatch):
     assert [(c["family"], c["B"], c["dtype"]) for c in record["cells"]] == [("Llama", 4, "float32")]
     assert set(record["cells"][0]["ratios"]) == {"batch", "write B*P", "noise", "per_sample_grads"}
     assert drawn and set(drawn) == {record["cells"][0]["P"]}
+    if not torch.cuda.is_available():  # peak memory, counted on a CPU too: the copy into a buffer creates nothing,
+        peak = record["cells"][0]["peak / BP"]  # the per-example gradients are B*P floats and more
+        assert set(peak) == set(record["cells"][0]["ratios"]) and peak["write B*P"] == 0 and peak["per_sample_grads"] >= 1
     assert torch.cuda.is_available() or "threads" in record["hardware"]
 
 
