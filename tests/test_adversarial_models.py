@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import vmap
+from torch.utils.checkpoint import checkpoint
 
 from test_recipes import Model, close, loop_output_jacobian, loop_per_sample
 
@@ -75,6 +76,53 @@ def tied():
     return model
 
 
+class DoubledLinear(torch.autograd.Function):
+    """F.linear with a backward pass of its own: twice the usual gradients. Its forward runs with gradients off, so
+    the operations a trace sees there are not what autograd differentiates."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        return 2 * g @ weight, 2 * g.t() @ x, 2 * g.sum(0)
+
+
+class MixedBackward(torch.autograd.Function):
+    """The identity forward, but a backward pass that hands every example the batch's mean gradient (doubled): the
+    forward keeps the examples apart, the backward does not. Each example alone (the loop) gets twice its own."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g.mean(0, keepdim=True).expand_as(g)
+
+
+def weight_norm(layer):
+    with torch.no_grad():
+        return layer.weight.norm()
+
+
+class ReadsALayer(torch.autograd.Function):
+    """A Function that applies a layer it is not given as tensors: autograd never hands the layer's parameters a
+    gradient (the backward pass returns the input's alone)."""
+
+    @staticmethod
+    def forward(ctx, h, layer):
+        ctx.layer = layer
+        return layer(h)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g @ ctx.layer.weight, None
+
+
 # name: (model, path the recipes must take, or "refused" for a model that mixes the examples of a batch, where no
 # example has a gradient of its own); inputs (6, 6) unless the model is a CNN or the MLP on images
 CASES = {
@@ -90,6 +138,15 @@ CASES = {
     "a layer scale": (net(lambda m, x: m.b(torch.tanh(m.a(x)) * m.scale), scale=nn.Parameter(torch.linspace(0.5, 1.5, 8))), "fast"),
     "a bare nn.Parameter in forward": (net(lambda m, x: m.b(torch.tanh(m.a(x)) @ m.mix),
                                            mix=nn.Parameter(torch.linspace(0.5, 1.5, 64).view(8, 8))), "vmap"),
+    # a transpose that swaps nothing (transpose(0, -2) or permute(0, 1) of a matrix) is no linear layer's W^T
+    "a weight transposed by transpose(0, -2)": (net(lambda m, x: m.b(torch.tanh(torch.addmm(m.a.bias, x, m.a.weight.transpose(0, -2)))), width=6), "vmap"),
+    "a weight permuted by permute(0, 1)": (net(lambda m, x: m.b(torch.tanh(torch.addmm(m.a.bias, x, m.a.weight.permute(0, 1)))), width=6), "vmap"),
+    # custom autograd.Functions: the trace sees their forward's operations, run with gradients off, but autograd
+    # differentiates their own backward; vmap cannot run one without vmap support, so the loop answers
+    "a custom Function around a layer": (net(lambda m, x: m.b(torch.tanh(DoubledLinear.apply(x, m.a.weight, m.a.bias)))), "loop"),
+    "a custom Function whose backward mixes examples": (mixing(MixedBackward.apply), "loop"),
+    # a weight also read under no_grad (a constant there): autograd reaches it through its layer, so vmap answers
+    "a weight read under no_grad as well": (net(lambda m, x: m.b(torch.tanh(m.a(x)) / weight_norm(m.a))), "vmap"),
     "a weight used outside its layer": (net(lambda m, x: m.b(torch.tanh(m.a(x))) + 0.1 * (x @ m.a.weight.T)[:, :3]), "fast"),
     "forward hook that changes an output": (
         mlp(lambda m: m[0].register_forward_hook(lambda module, args, output: 2.0 * output + 1.0)), "fast"),
@@ -151,6 +208,32 @@ def test_recipes_equal_the_loop(recipes, name):
     norms, report = recipes["per_sample_grad_norms"](model, F.cross_entropy, x, TARGETS, report=True)
     assert report.path == expected_path, report.reason
     assert close(norms, torch.stack([torch.cat([g[n].flatten() for g in expected.values()]).norm() for n in range(len(x))]))
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")
+@pytest.mark.parametrize("forward", [
+    lambda m, x: m.b(torch.tanh(checkpoint(m.a, x, use_reentrant=True))),  # reentrant: a no_grad pass, recomputed in backward
+    lambda m, x: m.b(torch.tanh(ReadsALayer.apply(x * 1.0, m.a))),
+    lambda m, x: m.b(torch.tanh(x @ (weight_norm(m.a) * torch.ones(6, 8, dtype=x.dtype)))),  # a's weight only under no_grad
+], ids=["reentrant checkpoint", "a Function reading a layer it is not given", "a weight used only under no_grad"])
+def test_a_parameter_used_with_gradients_off_where_autograd_cannot_reach_it_is_refused(recipes, forward):
+    """Every path would give such a parameter no gradient (torch.autograd.grad never runs a reentrant checkpoint's
+    backward pass for the block's parameters) and no curvature: each per-example recipe refuses, naming the
+    parameter, on every path, and so do the curvature recipes (before: zeros for the block, on every path)."""
+    model = net(forward).double()
+    calls = {"per_sample_grads": lambda path: recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, path=path),
+             "norms": lambda path: recipes["per_sample_grad_norms"](model, F.cross_entropy, X, TARGETS, path=path),
+             "DP step": lambda path: recipes["clipped_noisy_gradient"](model, F.cross_entropy, X, TARGETS, max_norm=1.0,
+                                                                       noise_multiplier=0.0, path=path),
+             "output_jacobian": lambda path: recipes["output_jacobian"](model, X, path=path)}
+    for name, call in calls.items():
+        for path in ("auto", "loop"):
+            with pytest.raises(ValueError, match="^a.weight(, a.bias)?: used with gradients off"):
+                call(path)
+    vector = {n: torch.ones_like(p) for n, p in model.named_parameters()}  # the curvature recipes too: no curvature there
+    for name in ("param_hvp", "ggn_vp", "empirical_fisher_vp"):
+        with pytest.raises(ValueError, match="^a.weight(, a.bias)?: used with gradients off"):
+            recipes[name](model, F.cross_entropy, X, TARGETS, vector)
 
 
 def lookup_in_examples(m, x):

@@ -122,6 +122,29 @@ def test_every_per_example_recipe_equals_the_loop_on_hugging_face_models(name):
     assert close(J, loop_rows(model, batch, lambda out, n: select(out)[0])) and report.path == PATHS[name]
 
 
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")
+def test_gradient_checkpointing_is_right_or_refused_by_name():
+    """model.activation_checkpointing_enable() (gradient_checkpointing_enable before transformers 5; it runs in training
+    mode; dropout 0 here): transformers' default, non-reentrant, keeps every path right; use_reentrant=True, whose blocks autograd.grad cannot reach, is
+    refused on every path, naming the first parameters (before: torch's own error from the checkpoint's backward)."""
+    model, batch, select = build("GPT-2")
+    loss_fn = lambda out, t: F.cross_entropy(select(out), t)  # noqa: E731
+    G = loop_rows(model, batch, lambda out, n: loss_fn(out, LABELS[n:n + 1]))[:, 0]
+    model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    model.activation_checkpointing_enable()
+    model.train()
+    for path in ("auto", "loop"):
+        norms = tfr.per_sample_grad_norms(model, loss_fn, targets=LABELS, path=path, **batch)
+        assert close(norms, G.norm(dim=1))
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    for path in ("auto", "loop"):
+        with pytest.raises(ValueError, match="^transformer.h.0.ln_1.weight, .* more parameters: used with gradients off.*use_reentrant=True"):
+            tfr.per_sample_grad_norms(model, loss_fn, targets=LABELS, path=path, **batch)
+
+
 def test_a_dict_of_inputs_and_keyword_inputs_are_the_same_call():
     model, batch, select = build("BERT, 2-D padding mask")
     loss_fn = lambda out, t: F.cross_entropy(select(out), t)  # noqa: E731

@@ -468,6 +468,28 @@ def test_no_trainable_parameter_is_refused(recipe):
         ALL[recipe](model_and_loss().requires_grad_(False), CE, X, T)
 
 
+class Checkpointed(nn.Module):
+    """model_and_loss()'s layers with the first one under torch.utils.checkpoint, reentrant or not."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.first, self.rest, self.reentrant = model_and_loss()[0], model_and_loss()[1:], reentrant
+
+    def forward(self, x):
+        return self.rest(torch.utils.checkpoint.checkpoint(self.first, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_a_reentrant_checkpoint_is_refused_naming_its_parameters_and_a_plain_one_answers(recipe):
+    """A reentrant checkpoint runs its block with gradients off and recomputes it in a backward pass that
+    torch.autograd.grad never calls for the block's parameters: every recipe would give them zeros. The same model
+    checkpointed without reentrance answers as unchecked."""
+    with pytest.raises(ValueError, match=r"^first.weight, first.bias: used with gradients off.*use_reentrant=False"):
+        ALL[recipe](Checkpointed(reentrant=True), CE, X, T)
+    assert torch.allclose(flat(ALL[recipe](Checkpointed(reentrant=False), CE, X, T)), flat(ALL[recipe](model_and_loss(), CE, X, T)))
+
+
 @pytest.mark.parametrize("recipe", list(ALL))
 def test_inside_no_grad_and_inference_mode_the_answer_is_the_same(recipe):
     model = model_and_loss()

@@ -50,6 +50,11 @@ higher-order operator)                      at it and mends what torch 2.13 brea
                                             a dispatch mode, ``torch.compiler.reset()``; vmap raises
                                             inside torch); curvature recipes answer, or refuse where a
                                             second derivative would pass through its backward pass
+a trainable parameter used with gradients  ValueError naming it, for every recipe taking data
+off where autograd cannot reach it          (``_check_parameters_reached``): every path would give it no
+(``checkpoint(..., use_reentrant=True)``,   gradient and no curvature; use ``use_reentrant=False``
+a custom Function reading a parameter it    (transformers' default), pass the parameter to the
+is not given)                               Function, or freeze it
 no parameter requires grad                  ValueError for every recipe
 called inside ``torch.no_grad()`` or        every recipe computes as outside them (gradients are
 ``torch.inference_mode()``                  enabled inside the call; inference tensors are copied);
@@ -529,6 +534,81 @@ def _outputs_agree(first: list, second: list) -> bool:
             if not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale, equal_nan=True):
                 return False
     return True
+
+
+class _GradOffUses(TorchFunctionMode):
+    """Notes the parameters (by id) that a torch function receives while gradients are off."""
+
+    def __init__(self, params: Mapping[int, str]) -> None:
+        super().__init__()
+        self.params, self.found = params, set[str]()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not torch.is_grad_enabled():
+            for value in (*args, *kwargs.values()):
+                for leaf in value if isinstance(value, (list, tuple)) else (value,):
+                    if id(leaf) in self.params:
+                        self.found.add(self.params[id(leaf)])
+        return func(*args, **kwargs)
+
+
+_REACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = True) -> None:
+    """Refuses (ValueError) a model whose forward pass uses a trainable parameter with gradients off where autograd
+    does not reach it from the output: torch.utils.checkpoint with use_reentrant=True (it runs the block under
+    no_grad and recomputes it in its backward pass, which torch.autograd.grad never calls for the block's
+    parameters), or a custom autograd.Function whose forward reads a parameter it is not given as an input. The loop
+    and vmap would give that parameter no gradient, silently. How: the batch's first example runs once with
+    gradients on, a function mode noting the parameters passed to torch functions while gradients are off, and the
+    output's autograd graph is walked for the parameters it reaches; a parameter used only under a plain no_grad is
+    refused too (it is trainable, yet gets no gradient: freeze it). Generators are left as they were found (as in
+    _check_examples_apart). Run on every path off the fast path, remembered per model and call signature; where
+    the pass raises, the recipe's own path meets the error. remember=False (before the loop, where one more forward
+    pass of one example costs little): run even where it passed before, so a model changed since (checkpointing
+    turned on) is seen."""
+    if not isinstance(model, nn.Module) or len(batch) == 0:
+        return
+    signature = _call_signature(model, batch) if remember else None
+    passed = _per_model(_REACHED, model, set)
+    if signature is not None and signature in passed:
+        return
+    trainable = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+    held = _held_generators(model)
+    saved = [g.get_state() for g in held]
+    watch, uses = _GeneratorWatch(), _GradOffUses(trainable)
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=_cuda_devices(model, batch)), watch, uses:
+            output = tree_flatten(batch.rows(slice(0, 1)).call(model))[0]
+    except Exception:  # noqa: BLE001 (any error: the recipe's own path meets it)
+        return
+    finally:
+        for generator, state in zip(held, saved):
+            generator.set_state(state)
+        watch.restore(held)
+    reached, stack, seen = set[str](), [t.grad_fn for t in output if isinstance(t, torch.Tensor) and t.grad_fn is not None], set()
+    reached.update(trainable[id(t)] for t in output if isinstance(t, torch.Tensor) and id(t) in trainable)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
+        if variable is not None and id(variable) in trainable:
+            reached.add(trainable[id(variable)])
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    unreached = [name for name in trainable.values() if name in uses.found and name not in reached]
+    if unreached:
+        them = "them" if len(unreached) > 1 else "it"
+        names = ", ".join(unreached[:3]) + (f" and {len(unreached) - 3} more parameters" if len(unreached) > 3 else "")
+        raise ValueError(f"{names}: used with gradients off, where autograd does not reach {them} "
+                         "(torch.utils.checkpoint with use_reentrant=True, or a custom autograd.Function reading a "
+                         f"parameter it is not given, say), so no path can give {them} a gradient: use checkpoint(..., "
+                         "use_reentrant=False), pass the parameter to the Function as an input, or freeze it")
+    if signature is not None:
+        passed.add(signature)
 
 
 def _seen_deterministic(model: nn.Module, batch: _Batch) -> bool:

@@ -23,7 +23,11 @@ class _LinearRule(_LayerRule):
 
     def record(self, trace, func, args, kwargs, result, r, params, transposed):
         if func in (_aten.t.default, _aten.transpose.int, _aten.permute.default):
-            if params and r is None and len(params) == 1 and args[0].dim() == 2:  # weight.t() on the way to a linear layer
+            # weight.t() on the way to a linear layer: only where the two dimensions do swap (transpose(0, -2) of a
+            # matrix, or permute(0, 1), leaves it as it is, and is no use this rule knows)
+            swaps = func is _aten.t.default or (args[1] % 2 != args[2] % 2 if func is _aten.transpose.int else
+                                                [d % 2 for d in args[1]] == [1, 0])
+            if params and r is None and len(params) == 1 and args[0].dim() == 2 and swaps:
                 trace.mark_transposed(result, params[0])
                 return None
             return NotImplemented

@@ -62,7 +62,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "path's trace must check; torch.overrides.TorchFunctionMode sees Python calls before decomposition",
                None, None),
     PrivateAPI("torch.utils._pytree.tree_flatten", "import", ("_batch._Batch._leaves", "_batch._Batch.tensors", "_batch._as_batch",
-                                                               "_batch._check_examples_apart", "_batch._gradients_enabled.run",
+                                                               "_batch._check_examples_apart", "_batch._check_parameters_reached",
+                                                               "_batch._gradients_enabled.run",
                                                                "_trace._run_trace"),
                "flattens an operator's nested arguments and results, a batch's nested inputs and targets, and a model's "
                "nested outputs, as torch's own dispatch code and vmap do, and torch has no public pytree module",

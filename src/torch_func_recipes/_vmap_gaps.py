@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._batch import _check_examples_apart
+from ._batch import _check_examples_apart, _check_parameters_reached
 from ._trace import PathReport
 
 
@@ -196,7 +196,9 @@ def _with_fallbacks(model, batch, path, run_vmap, run_loop, reason):
     """
     _check_examples_apart(model, batch)
     if path == "loop":
+        _check_parameters_reached(model, batch, remember=False)
         return run_loop(), PathReport("loop", reason)
+    _check_parameters_reached(model, batch)
     if path == "vmap":
         return run_vmap(model), PathReport("vmap", reason)
     layers = _unrollable(model)
@@ -218,6 +220,7 @@ def _with_fallbacks(model, batch, path, run_vmap, run_loop, reason):
         if path == "unroll":
             raise
         vmap_error, reason = error, f"vmap{' (recurrent layers unrolled)' if layers else ''} raised {_first_line(error)}"
+    _check_parameters_reached(model, batch, remember=False)  # vmap may have raised for the reason it refuses
     try:
         return run_loop(), PathReport("loop", reason)
     except Exception as loop_error:

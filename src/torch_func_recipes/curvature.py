@@ -35,6 +35,7 @@ from ._batch import (
     _as_batch,
     _check_chunk_size,
     _check_model,
+    _check_parameters_reached,
     _drew_random_numbers,
     _generator_states,
     _GeneratorWatch,
@@ -174,12 +175,13 @@ class _Data:
 
     source: Any  # the iterable of batches, or None for one batch
     single: tuple[Any, Any] | None  # (inputs, targets) of one batch, or None for an iterable
+    first_inputs: Any  # the first batch's inputs
 
     def __init__(self, model, loss_fn, inputs, targets, params, name="inputs"):
         self.model, self.loss_fn, self.params = model, loss_fn, params
         self.device = next(iter(params.values())).device
         if isinstance(inputs, (torch.Tensor, Mapping)) or (isinstance(inputs, (tuple, list)) and not _is_batch_list(inputs, targets)):
-            self.source, self.single = None, (inputs, targets)
+            self.source, self.single, self.first_inputs = None, (inputs, targets), inputs
             self.sizes = [_check_tensor_batch(inputs, targets)]
             if self.sizes[0] == 0:
                 raise ValueError("the batch is empty: a loss over no examples has no curvature")
@@ -195,8 +197,10 @@ class _Data:
             raise TypeError(f"{name} is an iterator, which can be read only once, but the curvature recipes read the data "
                             "once per product: pass a DataLoader, a list of (inputs, targets) batches, or another "
                             "iterable that can be read again")
-        self.source, self.single = inputs, None
-        self.sizes = [len(x) for x, _ in self._read()]
+        self.source, self.single, self.sizes = inputs, None, []
+        for x, _ in self._read():  # the first batch's inputs are kept for _trainable's check
+            self.first_inputs = x if not self.sizes else self.first_inputs
+            self.sizes.append(len(x))
         self.size = sum(self.sizes)
         if self.size == 0:
             raise ValueError(f"{name} holds no examples: a loss over no examples has no curvature")
@@ -245,7 +249,9 @@ def _trainable(model, loss_fn, inputs, targets, name="inputs"):
     named_parameters() order) and the data as a _Data."""
     trainable = _check_model(model, deterministic=True)
     params = {name: p.detach() for name, p in trainable.items()}
-    return params, _Data(model, loss_fn, inputs, targets, params, name)
+    data = _Data(model, loss_fn, inputs, targets, params, name)
+    _check_parameters_reached(model, _as_batch(data.first_inputs))  # a reentrant checkpoint: its blocks get no curvature
+    return params, data
 
 
 def _scalar(loss):
