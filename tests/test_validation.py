@@ -6,6 +6,8 @@ to every example), and answers the same questions the same documented way: an em
 different numbers of rows, a loss that is not one number, BatchNorm in training mode, a random module in
 training mode, no trainable parameter, and a call inside no_grad or inference_mode. The table in _batch's
 docstring is what these tests check."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -247,6 +249,21 @@ def test_a_compiled_model_is_refused_where_torch_cannot_run_it(recipe, how):
             ALL[recipe](compiled, CE, X, T)
     else:
         assert torch.allclose(flat(ALL[recipe](compiled, CE, X, T)), flat(ALL[recipe](model_and_loss(), CE, X, T)), rtol=1e-10)
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+def test_a_deep_copy_of_a_fullgraph_compiled_model_is_answered_right_or_refused_by_name(recipe):
+    """copy.deepcopy of torch.compile(model, fullgraph=True) keeps the compiled module but, in torch 2.13, not the
+    flag that torch.func's transforms read (the copy's dynamo_ctx says fullgraph=False): torch runs the copy in the
+    transforms, and the recipes take it as compiled without fullgraph, answering as for the model. A torch that
+    kept the flag would have the copy refused by name, as above; either way, never a wrong answer or torch's error."""
+    copied = copy.deepcopy(torch.compile(model_and_loss(), fullgraph=True))
+    try:
+        got = PER_EXAMPLE[recipe](copied, CE, X, T)
+    except ValueError as error:
+        assert "was compiled with fullgraph=True" in str(error)
+        return
+    assert torch.allclose(flat(got), flat(PER_EXAMPLE[recipe](model_and_loss(), CE, X, T)), rtol=1e-10)
 
 
 class Forwarding(nn.Module):
