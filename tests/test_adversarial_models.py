@@ -104,6 +104,11 @@ class MixedBackward(torch.autograd.Function):
         return 2 * g.mean(0, keepdim=True).expand_as(g)
 
 
+def positive(x):
+    with torch.no_grad():
+        return (x[:, :1] > 0).to(x.dtype)
+
+
 def weight_norm(layer):
     with torch.no_grad():
         return layer.weight.norm()
@@ -146,6 +151,8 @@ CASES = {
     "a custom Function around a layer": (net(lambda m, x: m.b(torch.tanh(DoubledLinear.apply(x, m.a.weight, m.a.bias)))), "loop"),
     "a custom Function whose backward mixes examples": (mixing(MixedBackward.apply), "loop"),
     # a weight also read under no_grad (a constant there): autograd reaches it through its layer, so vmap answers
+    # a mask made under no_grad from the examples (no tensor that requires grad): the trace follows it as usual
+    "a mask made under no_grad": (net(lambda m, x: m.b(torch.tanh(m.a(x)) * positive(x))), "fast"),
     "a weight read under no_grad as well": (net(lambda m, x: m.b(torch.tanh(m.a(x)) / weight_norm(m.a))), "vmap"),
     "a weight used outside its layer": (net(lambda m, x: m.b(torch.tanh(m.a(x))) + 0.1 * (x @ m.a.weight.T)[:, :3]), "fast"),
     "forward hook that changes an output": (
@@ -214,8 +221,7 @@ def test_recipes_equal_the_loop(recipes, name):
 @pytest.mark.parametrize("forward", [
     lambda m, x: m.b(torch.tanh(checkpoint(m.a, x, use_reentrant=True))),  # reentrant: a no_grad pass, recomputed in backward
     lambda m, x: m.b(torch.tanh(ReadsALayer.apply(x * 1.0, m.a))),
-    lambda m, x: m.b(torch.tanh(x @ (weight_norm(m.a) * torch.ones(6, 8, dtype=x.dtype)))),  # a's weight only under no_grad
-], ids=["reentrant checkpoint", "a Function reading a layer it is not given", "a weight used only under no_grad"])
+], ids=["reentrant checkpoint", "a Function reading a layer it is not given"])
 def test_a_parameter_used_with_gradients_off_where_autograd_cannot_reach_it_is_refused(recipes, forward):
     """Every path would give such a parameter no gradient (torch.autograd.grad never runs a reentrant checkpoint's
     backward pass for the block's parameters) and no curvature: each per-example recipe refuses, naming the
@@ -234,6 +240,21 @@ def test_a_parameter_used_with_gradients_off_where_autograd_cannot_reach_it_is_r
     for name in ("param_hvp", "ggn_vp", "empirical_fisher_vp"):
         with pytest.raises(ValueError, match="^a.weight(, a.bias)?: used with gradients off"):
             recipes[name](model, F.cross_entropy, X, TARGETS, vector)
+
+
+def test_a_weight_read_only_under_a_plain_no_grad_gets_no_gradient_as_with_backward(recipes):
+    """A trainable weight read only under torch.no_grad() (transformers' LayoutLMv3 reads its relative position
+    biases so, and CLIPSeg its text tower): autograd gives it no gradient, and neither does .backward(); the recipes
+    answer with zeros for it and the loop's gradients for the rest, not refusing it as they refuse a reentrant
+    checkpoint's parameters (a custom Function's forward, whose backward would give them one)."""
+    model = net(lambda m, x: m.b(torch.tanh(x @ (weight_norm(m.a) * torch.ones(6, 8, dtype=x.dtype))))).double()
+    grads, report = recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, report=True)
+    assert report.path == "vmap", report.reason  # the trace stops at the weight's use outside its layer
+    assert not grads["a.weight"].any() and not grads["a.bias"].any()
+    for n in range(len(X)):
+        model.zero_grad()
+        F.cross_entropy(model(X[n:n + 1]), TARGETS[n:n + 1]).backward()
+        assert model.a.weight.grad is None and close(grads["b.weight"][n], model.b.weight.grad)
 
 
 def lookup_in_examples(m, x):

@@ -50,11 +50,12 @@ higher-order operator)                      at it and mends what torch 2.13 brea
                                             a dispatch mode, ``torch.compiler.reset()``; vmap raises
                                             inside torch); curvature recipes answer, or refuse where a
                                             second derivative would pass through its backward pass
-a trainable parameter used with gradients  ValueError naming it, for every recipe taking data
-off where autograd cannot reach it          (``_check_parameters_reached``): every path would give it no
-(``checkpoint(..., use_reentrant=True)``,   gradient and no curvature; use ``use_reentrant=False``
-a custom Function reading a parameter it    (transformers' default), pass the parameter to the
-is not given)                               Function, or freeze it
+a trainable parameter used inside a custom  ValueError naming it, for every recipe taking data
+Function's forward where autograd cannot    (``_check_parameters_reached``): every path would give it no
+reach it (``checkpoint(...,                 gradient and no curvature; use ``use_reentrant=False``
+use_reentrant=True)``, a Function reading   (transformers' default), pass the parameter to the
+a parameter it is not given)                Function, or freeze it; one read under a plain no_grad
+                                            gets autograd's zero, as with ``.backward()``
 no parameter requires grad                  ValueError for every recipe
 called inside ``torch.no_grad()`` or        every recipe computes as outside them (gradients are
 ``torch.inference_mode()``                  enabled inside the call; inference tensors are copied);
@@ -69,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
@@ -536,8 +538,25 @@ def _outputs_agree(first: list, second: list) -> bool:
     return True
 
 
+# torch.autograd.Function.apply's code: on the Python stack while a custom Function's forward runs (None where torch
+# no longer defines it in Python: then every use with gradients off counts, the safe side)
+_FUNCTION_APPLY = getattr(getattr(torch.autograd.Function.apply, "__func__", None), "__code__", None)
+
+
+def _in_custom_function() -> bool:
+    """Whether the caller runs inside a torch.autograd.Function's forward (a reentrant checkpoint's among them)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is _FUNCTION_APPLY:
+            return True
+        frame = frame.f_back
+    return _FUNCTION_APPLY is None
+
+
 class _GradOffUses(TorchFunctionMode):
-    """Notes the parameters (by id) that a torch function receives while gradients are off."""
+    """Notes the parameters (by id) that a torch function receives with gradients off inside a custom Function's
+    forward, where autograd then differentiates the Function's own backward (or, for a reentrant checkpoint, a
+    recomputation), not what ran."""
 
     def __init__(self, params: Mapping[int, str]) -> None:
         super().__init__()
@@ -545,7 +564,7 @@ class _GradOffUses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and _in_custom_function():
             for value in (*args, *kwargs.values()):
                 for leaf in value if isinstance(value, (list, tuple)) else (value,):
                     if id(leaf) in self.params:
@@ -557,18 +576,19 @@ _REACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = True) -> None:
-    """Refuses (ValueError) a model whose forward pass uses a trainable parameter with gradients off where autograd
-    does not reach it from the output: torch.utils.checkpoint with use_reentrant=True (it runs the block under
-    no_grad and recomputes it in its backward pass, which torch.autograd.grad never calls for the block's
-    parameters), or a custom autograd.Function whose forward reads a parameter it is not given as an input. The loop
-    and vmap would give that parameter no gradient, silently. How: the batch's first example runs once with
-    gradients on, a function mode noting the parameters passed to torch functions while gradients are off, and the
-    output's autograd graph is walked for the parameters it reaches; a parameter used only under a plain no_grad is
-    refused too (it is trainable, yet gets no gradient: freeze it). Generators are left as they were found (as in
-    _check_examples_apart). Run on every path off the fast path, remembered per model and call signature; where
-    the pass raises, the recipe's own path meets the error. remember=False (before the loop, where one more forward
-    pass of one example costs little): run even where it passed before, so a model changed since (checkpointing
-    turned on) is seen."""
+    """Refuses (ValueError) a model whose forward pass uses a trainable parameter inside a custom autograd.Function's
+    forward (gradients off) where autograd does not reach it from the output: torch.utils.checkpoint with
+    use_reentrant=True (it runs the block under no_grad and recomputes it in its backward pass, which
+    torch.autograd.grad never calls for the block's parameters), or a Function whose forward reads a parameter it is
+    not given as an input. The loop and vmap would give that parameter no gradient, silently. A parameter read under
+    a plain no_grad is not refused: autograd's zero is then what the model means and what .backward() gives too
+    (transformers' LayoutLMv3 reads its relative position biases so). How: the batch's first example runs once with
+    gradients on, a function mode noting the parameters passed to torch functions with gradients off inside a
+    Function's forward (its apply on the Python stack), and the output's autograd graph is walked for the parameters
+    it reaches. Generators are left as they were found (as in _check_examples_apart). Run on every path off the
+    fast path, remembered per model and call signature; where the pass raises, the recipe's own path meets the
+    error. remember=False (before the loop, where one more forward pass of one example costs little): run even where
+    it passed before, so a model changed since (checkpointing turned on) is seen."""
     if not isinstance(model, nn.Module) or len(batch) == 0:
         return
     signature = _call_signature(model, batch) if remember else None

@@ -333,8 +333,8 @@ class _BatchTrace(TorchDispatchMode):
                     self.fail(f"{func} writes example data into a tensor that held none")
         if not rs and not params and not transposed and not shared:
             return result  # nothing to do with the examples or the trainable parameters
-        if not torch.is_grad_enabled():  # what autograd differentiates is then another thing: a custom Function's backward
-            self.fail(f"{func} runs on example data or a parameter with gradients off (a custom autograd.Function, a reentrant checkpoint)")
+        if not torch.is_grad_enabled() and any(a.requires_grad for a in flat_args):  # autograd differentiates another thing
+            self.fail(f"{func} runs on a tensor that requires grad with gradients off (no_grad, a custom autograd.Function's forward)")
         if len(rs) > 1:
             self.fail(f"{func} combines tensors with different numbers of rows per example")
         r = rs.pop() if rs else None
