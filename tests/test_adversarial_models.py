@@ -128,6 +128,31 @@ class ReadsALayer(torch.autograd.Function):
         return g @ ctx.layer.weight, None
 
 
+class DoubledLinearGradOn(DoubledLinear):
+    """DoubledLinear whose forward builds a graph of its own (enable_grad): autograd still runs the Function's backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        with torch.enable_grad():
+            return F.linear(x, weight, bias)
+
+
+class MixedBackwardGradOn(MixedBackward):
+    @staticmethod
+    def forward(ctx, h):
+        with torch.enable_grad():
+            return h * 1.0
+
+
+class ReadsALayerGradOn(ReadsALayer):
+    @staticmethod
+    def forward(ctx, h, layer):
+        ctx.layer = layer
+        with torch.enable_grad():
+            return layer(h)
+
+
 # name: (model, path the recipes must take, or "refused" for a model that mixes the examples of a batch, where no
 # example has a gradient of its own); inputs (6, 6) unless the model is a CNN or the MLP on images
 CASES = {
@@ -150,6 +175,11 @@ CASES = {
     # differentiates their own backward; vmap cannot run one without vmap support, so the loop answers
     "a custom Function around a layer": (net(lambda m, x: m.b(torch.tanh(DoubledLinear.apply(x, m.a.weight, m.a.bias)))), "loop"),
     "a custom Function whose backward mixes examples": (mixing(MixedBackward.apply), "loop"),
+    # the same with a forward under enable_grad: its operations run with gradients on, but on a graph of their own
+    "a custom Function around a layer, under enable_grad": (
+        net(lambda m, x: m.b(torch.tanh(DoubledLinearGradOn.apply(x, m.a.weight, m.a.bias)))), "loop"),
+    "a custom Function mixing examples, under enable_grad": (mixing(MixedBackwardGradOn.apply), "loop"),
+    "a custom Function on the model's output": (net(lambda m, x: MixedBackwardGradOn.apply(m.b(torch.tanh(m.a(x))))), "loop"),
     # a weight also read under no_grad (a constant there): autograd reaches it through its layer, so vmap answers
     # a mask made under no_grad from the examples (no tensor that requires grad): the trace follows it as usual
     "a mask made under no_grad": (net(lambda m, x: m.b(torch.tanh(m.a(x)) * positive(x))), "fast"),
@@ -221,7 +251,8 @@ def test_recipes_equal_the_loop(recipes, name):
 @pytest.mark.parametrize("forward", [
     lambda m, x: m.b(torch.tanh(checkpoint(m.a, x, use_reentrant=True))),  # reentrant: a no_grad pass, recomputed in backward
     lambda m, x: m.b(torch.tanh(ReadsALayer.apply(x * 1.0, m.a))),
-], ids=["reentrant checkpoint", "a Function reading a layer it is not given"])
+    lambda m, x: m.b(torch.tanh(ReadsALayerGradOn.apply(x * 1.0, m.a))),
+], ids=["reentrant checkpoint", "a Function reading a layer it is not given", "the same under enable_grad"])
 def test_a_parameter_used_with_gradients_off_where_autograd_cannot_reach_it_is_refused(recipes, forward):
     """Every path would give such a parameter no gradient (torch.autograd.grad never runs a reentrant checkpoint's
     backward pass for the block's parameters) and no curvature: each per-example recipe refuses, naming the
@@ -234,11 +265,11 @@ def test_a_parameter_used_with_gradients_off_where_autograd_cannot_reach_it_is_r
              "output_jacobian": lambda path: recipes["output_jacobian"](model, X, path=path)}
     for name, call in calls.items():
         for path in ("auto", "loop"):
-            with pytest.raises(ValueError, match="^a.weight(, a.bias)?: used with gradients off"):
+            with pytest.raises(ValueError, match="^a.weight(, a.bias)?: read inside a custom autograd.Function's forward"):
                 call(path)
     vector = {n: torch.ones_like(p) for n, p in model.named_parameters()}  # the curvature recipes too: no curvature there
     for name in ("param_hvp", "ggn_vp", "empirical_fisher_vp"):
-        with pytest.raises(ValueError, match="^a.weight(, a.bias)?: used with gradients off"):
+        with pytest.raises(ValueError, match="^a.weight(, a.bias)?: read inside a custom autograd.Function's forward"):
             recipes[name](model, F.cross_entropy, X, TARGETS, vector)
 
 

@@ -553,10 +553,10 @@ def _in_custom_function() -> bool:
     return _FUNCTION_APPLY is None
 
 
-class _GradOffUses(TorchFunctionMode):
-    """Notes the parameters (by id) that a torch function receives with gradients off inside a custom Function's
-    forward, where autograd then differentiates the Function's own backward (or, for a reentrant checkpoint, a
-    recomputation), not what ran."""
+class _FunctionUses(TorchFunctionMode):
+    """Notes the parameters (by id) that a torch function receives inside a custom Function's forward (with gradients
+    off, or on a graph of its own under enable_grad), where autograd then differentiates the Function's own
+    backward (or, for a reentrant checkpoint, a recomputation), not what ran."""
 
     def __init__(self, params: Mapping[int, str]) -> None:
         super().__init__()
@@ -564,11 +564,10 @@ class _GradOffUses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not torch.is_grad_enabled() and _in_custom_function():
-            for value in (*args, *kwargs.values()):
-                for leaf in value if isinstance(value, (list, tuple)) else (value,):
-                    if id(leaf) in self.params:
-                        self.found.add(self.params[id(leaf)])
+        names = [self.params[id(leaf)] for value in (*args, *kwargs.values())
+                 for leaf in (value if isinstance(value, (list, tuple)) else (value,)) if id(leaf) in self.params]
+        if names and _in_custom_function():  # the stack is walked only for a parameter's use
+            self.found.update(names)
         return func(*args, **kwargs)
 
 
@@ -577,14 +576,15 @@ _REACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = True) -> None:
     """Refuses (ValueError) a model whose forward pass uses a trainable parameter inside a custom autograd.Function's
-    forward (gradients off) where autograd does not reach it from the output: torch.utils.checkpoint with
+    forward (with gradients off, or under enable_grad on a graph of the forward's own) where autograd does not
+    reach it from the output: torch.utils.checkpoint with
     use_reentrant=True (it runs the block under no_grad and recomputes it in its backward pass, which
     torch.autograd.grad never calls for the block's parameters), or a Function whose forward reads a parameter it is
     not given as an input. The loop and vmap would give that parameter no gradient, silently. A parameter read under
     a plain no_grad is not refused: autograd's zero is then what the model means and what .backward() gives too
     (transformers' LayoutLMv3 reads its relative position biases so). How: the batch's first example runs once with
-    gradients on, a function mode noting the parameters passed to torch functions with gradients off inside a
-    Function's forward (its apply on the Python stack), and the output's autograd graph is walked for the parameters
+    gradients on, a function mode noting the parameters passed to torch functions inside a Function's forward (its
+    apply on the Python stack), and the output's autograd graph is walked for the parameters
     it reaches. Generators are left as they were found (as in _check_examples_apart). Run on every path off the
     fast path, remembered per model and call signature; where the pass raises, the recipe's own path meets the
     error. remember=False (before the loop, where one more forward pass of one example costs little): run even where
@@ -598,7 +598,7 @@ def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = 
     trainable = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
     held = _held_generators(model)
     saved = [g.get_state() for g in held]
-    watch, uses = _GeneratorWatch(), _GradOffUses(trainable)
+    watch, uses = _GeneratorWatch(), _FunctionUses(trainable)
     try:
         with torch.enable_grad(), torch.random.fork_rng(devices=_cuda_devices(model, batch)), watch, uses:
             output = tree_flatten(batch.rows(slice(0, 1)).call(model))[0]
@@ -623,9 +623,9 @@ def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = 
     if unreached:
         them = "them" if len(unreached) > 1 else "it"
         names = ", ".join(unreached[:3]) + (f" and {len(unreached) - 3} more parameters" if len(unreached) > 3 else "")
-        raise ValueError(f"{names}: used with gradients off, where autograd does not reach {them} "
-                         "(torch.utils.checkpoint with use_reentrant=True, or a custom autograd.Function reading a "
-                         f"parameter it is not given, say), so no path can give {them} a gradient: use checkpoint(..., "
+        raise ValueError(f"{names}: read inside a custom autograd.Function's forward, where autograd does not reach "
+                         f"{them} (torch.utils.checkpoint with use_reentrant=True, or a Function reading a parameter it "
+                         f"is not given, say), so no path can give {them} a gradient: use checkpoint(..., "
                          "use_reentrant=False), pass the parameter to the Function as an input, or freeze it")
     if signature is not None:
         passed.add(signature)

@@ -53,6 +53,9 @@ class PathReport(NamedTuple):
 
 
 _PATHS = ("auto", "fast", "vmap", "unroll", "loop")
+# the autograd node of a custom torch.autograd.Function: autograd differentiates through its own backward, not the
+# operations its forward ran (with gradients off, or on a graph of its own under enable_grad), so the trace stops
+_CUSTOM = torch.autograd.function.BackwardCFunction
 
 
 def _check_path(path: str) -> None:
@@ -333,8 +336,8 @@ class _BatchTrace(TorchDispatchMode):
                     self.fail(f"{func} writes example data into a tensor that held none")
         if not rs and not params and not transposed and not shared:
             return result  # nothing to do with the examples or the trainable parameters
-        if not torch.is_grad_enabled() and any(a.requires_grad for a in flat_args):  # autograd differentiates another thing
-            self.fail(f"{func} runs on a tensor that requires grad with gradients off (no_grad, a custom autograd.Function's forward)")
+        if any(isinstance(a.grad_fn, _CUSTOM) for a in flat_args) or not torch.is_grad_enabled() and any(a.requires_grad for a in flat_args):
+            self.fail(f"{func} meets a custom autograd.Function's output, or runs with gradients off: autograd differentiates another thing")
         if len(rs) > 1:
             self.fail(f"{func} combines tensors with different numbers of rows per example")
         r = rs.pop() if rs else None
@@ -623,6 +626,8 @@ def _run_trace(model, batch, trainable, need, owners):
     leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
     if not leaves or any(tracer.r_of(t) != 1 for t in leaves):  # a tensor, or a pytree of them (a ModelOutput)
         return None, None, "the model's output is not made of tensors with the examples along dimension 0"
+    if any(isinstance(t.grad_fn, _CUSTOM) for t in leaves):
+        return None, None, "the model's output comes from a custom autograd.Function, whose backward the trace cannot see"
     unused = [name for name in trainable if name not in tracer.used]
     unused += [info["weight"] for info in tracer.shared.values() if not info["added"]]
     if unused:
@@ -631,6 +636,8 @@ def _run_trace(model, batch, trainable, need, owners):
     for layer in tracer.layers:
         if (layer["a"]._version, layer["z"]._version) != layer["versions"]:
             return None, None, f"an in-place operation changed the input or output of the layer of {layer['weight'] or layer['bias']}"
+        if not layer["z"].requires_grad:  # made with gradients on, then detached (a custom Function's forward returned it)
+            return None, None, f"the output of the layer of {layer['weight'] or layer['bias']} was detached after the layer ran"
     for layer in tracer.layers:
         _in_parameter_dtype(layer, trainable)
     return output, tracer.layers, None
