@@ -253,7 +253,7 @@ def test_recipes_equal_the_loop(recipes, name):
     lambda m, x: m.b(torch.tanh(ReadsALayer.apply(x * 1.0, m.a))),
     lambda m, x: m.b(torch.tanh(ReadsALayerGradOn.apply(x * 1.0, m.a))),
 ], ids=["reentrant checkpoint", "a Function reading a layer it is not given", "the same under enable_grad"])
-def test_a_parameter_used_with_gradients_off_where_autograd_cannot_reach_it_is_refused(recipes, forward):
+def test_a_parameter_read_inside_a_custom_function_where_autograd_cannot_reach_it_is_refused(recipes, forward):
     """Every path would give such a parameter no gradient (torch.autograd.grad never runs a reentrant checkpoint's
     backward pass for the block's parameters) and no curvature: each per-example recipe refuses, naming the
     parameter, on every path, and so do the curvature recipes (before: zeros for the block, on every path)."""

@@ -539,7 +539,7 @@ def _outputs_agree(first: list, second: list) -> bool:
 
 
 # torch.autograd.Function.apply's code: on the Python stack while a custom Function's forward runs (None where torch
-# no longer defines it in Python: then every use with gradients off counts, the safe side)
+# no longer defines it in Python: then every parameter use counts as inside one, the safe side)
 _FUNCTION_APPLY = getattr(getattr(torch.autograd.Function.apply, "__func__", None), "__code__", None)
 
 
@@ -577,15 +577,14 @@ _REACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = True) -> None:
     """Refuses (ValueError) a model whose forward pass uses a trainable parameter inside a custom autograd.Function's
     forward (with gradients off, or under enable_grad on a graph of the forward's own) where autograd does not
-    reach it from the output: torch.utils.checkpoint with
-    use_reentrant=True (it runs the block under no_grad and recomputes it in its backward pass, which
-    torch.autograd.grad never calls for the block's parameters), or a Function whose forward reads a parameter it is
-    not given as an input. The loop and vmap would give that parameter no gradient, silently. A parameter read under
-    a plain no_grad is not refused: autograd's zero is then what the model means and what .backward() gives too
-    (transformers' LayoutLMv3 reads its relative position biases so). How: the batch's first example runs once with
-    gradients on, a function mode noting the parameters passed to torch functions inside a Function's forward (its
-    apply on the Python stack), and the output's autograd graph is walked for the parameters
-    it reaches. Generators are left as they were found (as in _check_examples_apart). Run on every path off the
+    reach it from the output: torch.utils.checkpoint with use_reentrant=True (it runs the block under no_grad and
+    recomputes it in its backward pass, which torch.autograd.grad never calls for the block's parameters), or a
+    Function whose forward reads a parameter it is not given as an input. The loop and vmap would give that
+    parameter no gradient, silently. A parameter read under a plain no_grad is not refused: autograd's zero is then
+    what the model means and what .backward() gives too (transformers' LayoutLMv3 reads its relative position
+    biases so). How: the batch's first example runs once with gradients on, a function mode noting the parameters
+    passed to torch functions inside a Function's forward (its apply on the Python stack), and the output's
+    autograd graph is walked for the parameters it reaches. Generators are left as they were found (as in _check_examples_apart). Run on every path off the
     fast path, remembered per model and call signature; where the pass raises, the recipe's own path meets the
     error. remember=False (before the loop, where one more forward pass of one example costs little): run even where
     it passed before, so a model changed since (checkpointing turned on) is seen."""

@@ -198,8 +198,9 @@ class _Data:
                             "once per product: pass a DataLoader, a list of (inputs, targets) batches, or another "
                             "iterable that can be read again")
         self.source, self.single, self.sizes = inputs, None, []
-        for x, _ in self._read():  # the first batch's inputs are kept for _trainable's check
-            self.first_inputs = x if not self.sizes else self.first_inputs
+        for x, _ in self._read():
+            if not self.sizes:  # the first batch's inputs, kept for _trainable's check
+                self.first_inputs = x
             self.sizes.append(len(x))
         self.size = sum(self.sizes)
         if self.size == 0:
