@@ -507,6 +507,52 @@ def test_a_reentrant_checkpoint_is_refused_naming_its_parameters_and_a_plain_one
     assert torch.allclose(flat(ALL[recipe](Checkpointed(reentrant=False), CE, X, T)), flat(ALL[recipe](model_and_loss(), CE, X, T)))
 
 
+class _HandWrittenReentrant(torch.autograd.Function):
+    """A reentrant checkpoint written by hand and given its block's parameters as inputs (so autograd reaches them
+    and _check_parameters_reached passes): its backward recomputes the block and calls backward() on it, which
+    writes the parameters' .grad, and returns no gradient for them."""
+
+    @staticmethod
+    def forward(ctx, block, x, *params):
+        ctx.block = block
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return block(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            torch.autograd.backward(ctx.block(x), g)
+        return (None, x.grad, *[None] * len(list(ctx.block.parameters())))
+
+
+class HandCheckpointed(nn.Module):
+    """model_and_loss()'s layers with the middle one under _HandWrittenReentrant."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.middle, self.last = model_and_loss()[0], nn.Linear(6, 6).double(), model_and_loss()[1:]
+
+    def forward(self, x):
+        h = self.first(x)
+        return self.last(_HandWrittenReentrant.apply(self.middle, h, *self.middle.parameters()))
+
+
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_a_backward_pass_that_writes_grad_is_refused_and_grad_is_left_as_it_was(recipe):
+    """Every path would give the middle layer's parameters no gradient (the Function returns none for them) and
+    write their .grad; the recipes refuse (or, where the Function's backward is refused first, as not
+    differentiable, raise that) and leave every .grad as it was: the user's own tensor, its values unchanged."""
+    model = HandCheckpointed()
+    model.middle.weight.grad = before = torch.ones_like(model.middle.weight)
+    with pytest.raises(ValueError, match=r"^middle.weight, middle.bias: the backward pass wrote into their .grad|HandWrittenReentrantBackward"):
+        ALL[recipe](model, CE, X, T)
+    assert model.middle.weight.grad is before and bool((before == 1).all())
+    assert model.middle.bias.grad is None and model.first.weight.grad is None
+
+
 @pytest.mark.parametrize("recipe", list(ALL))
 def test_inside_no_grad_and_inference_mode_the_answer_is_the_same(recipe):
     model = model_and_loss()

@@ -56,6 +56,10 @@ reach it (``checkpoint(...,                 gradient and no curvature; use ``use
 use_reentrant=True)``, a Function reading   (transformers' default), pass the parameter to the
 a parameter it is not given)                Function, or freeze it; one read under a plain no_grad
                                             gets autograd's zero, as with ``.backward()``
+a custom Function whose backward calls      ValueError naming them, for every recipe taking data
+backward() itself for parameters it         (``_grads_set_aside``): every path would give them no
+returns no gradient for (a reentrant        gradient; their ``.grad`` (which it writes) is put back
+checkpoint written by hand)                 as it was
 no parameter requires grad                  ValueError for every recipe
 called inside ``torch.no_grad()`` or        every recipe computes as outside them (gradients are
 ``torch.inference_mode()``                  enabled inside the call; inference tensors are copied);
@@ -72,7 +76,7 @@ import contextlib
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -574,6 +578,21 @@ class _FunctionUses(TorchFunctionMode):
 _REACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _graph_nodes(starts: Iterable[Any]) -> Iterator[Any]:
+    """Each autograd node reachable from the nodes starts (None entries skipped), starts included, once each, depth
+    first. Lazy, so a caller looking for one node stops where it finds it. The one walk of an autograd graph in
+    the package: the parameter check below, the norms' lowest layers (per_sample._lowest_layers) and the custom
+    nodes of a differentiable backward pass (curvature._differentiable_backward)."""
+    stack, seen = [node for node in starts if node is not None], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+
+
 def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = True) -> None:
     """Refuses (ValueError) a model whose forward pass uses a trainable parameter inside a custom autograd.Function's
     forward (with gradients off, or under enable_grad on a graph of the forward's own) where autograd does not
@@ -607,17 +626,11 @@ def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = 
         for generator, state in zip(held, saved):
             generator.set_state(state)
         watch.restore(held)
-    reached, stack, seen = set[str](), [t.grad_fn for t in output if isinstance(t, torch.Tensor) and t.grad_fn is not None], set()
-    reached.update(trainable[id(t)] for t in output if isinstance(t, torch.Tensor) and id(t) in trainable)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
+    reached = {trainable[id(t)] for t in output if isinstance(t, torch.Tensor) and id(t) in trainable}
+    for node in _graph_nodes(t.grad_fn for t in output if isinstance(t, torch.Tensor)):
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
         if variable is not None and id(variable) in trainable:
             reached.add(trainable[id(variable)])
-        stack.extend(n for n, _ in node.next_functions if n is not None)
     unreached = [name for name in trainable.values() if name in uses.found and name not in reached]
     if unreached:
         them = "them" if len(unreached) > 1 else "it"
@@ -646,6 +659,33 @@ def _remembered_draws(model: nn.Module, batch: _Batch) -> bool:
     return signature is not None and _per_model(_DRAWS, model, dict).get(signature, False)
 
 
+@contextlib.contextmanager
+def _grads_set_aside(model: Any) -> Any:
+    """Around a recipe's backward passes, which take gradients by torch.autograd.grad and so write no parameter's
+    .grad: each parameter's .grad is set aside (None meanwhile) and put back on the way out, whatever happens, and
+    a backward pass that wrote one anyway is refused (ValueError naming the parameters). That is a custom
+    autograd.Function whose backward calls backward() itself for parameters it does not return gradients for (a
+    hand-written reentrant checkpoint given them as inputs, say): every path would give them autograd's zero,
+    silently, and would change the model's .grad. An error raised inside is raised as it is, .grad put back."""
+    params = list(model.named_parameters()) if isinstance(model, nn.Module) else []
+    saved = [p.grad for _, p in params]
+    for _, p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        written = [name for name, p in params if p.grad is not None]
+        for (_, p), grad in zip(params, saved):
+            p.grad = grad
+    if written:
+        names = ", ".join(written[:3]) + (f" and {len(written) - 3} more parameters" if len(written) > 3 else "")
+        raise ValueError(f"{names}: the backward pass wrote into their .grad, which torch.autograd.grad (every recipe's "
+                         "backward pass) never does: a custom autograd.Function's backward calls backward() itself for "
+                         "parameters it returns no gradient for (a hand-written reentrant checkpoint, say), so every "
+                         "path would give them none; use torch.utils.checkpoint(..., use_reentrant=False), or return "
+                         "their gradients from the Function's backward (the model's .grad is left as it was)")
+
+
 def _gradients_enabled(recipe: Callable[..., Any]) -> Callable[..., Any]:
     """Runs a recipe as it runs outside torch.no_grad() and torch.inference_mode(): gradients enabled, and
     tensor arguments made inside inference_mode copied to ordinary tensors, so results are ordinary tensors."""
@@ -657,7 +697,8 @@ def _gradients_enabled(recipe: Callable[..., Any]) -> Callable[..., Any]:
             if any(isinstance(leaf, torch.Tensor) and leaf.is_inference() for leaf in leaves):
                 args, kwargs = tree_unflatten([leaf.clone() if isinstance(leaf, torch.Tensor) and leaf.is_inference() else leaf
                                                for leaf in leaves], spec)
-            return recipe(*args, **kwargs)
+            with _grads_set_aside(args[0] if args else kwargs.get("model")):
+                return recipe(*args, **kwargs)
 
     return run
 

@@ -40,6 +40,7 @@ from ._batch import (
     _generator_states,
     _GeneratorWatch,
     _gradients_enabled,
+    _graph_nodes,
     _held_generators,
     _set_generator_states,
 )
@@ -99,13 +100,8 @@ def _differentiable_backward(roots):
     while_loop's backward (torch 2.13) stays in the graph but gives wrong second derivatives. Not seen: a backward
     pass only partly outside the graph, or one that reads a tensor computed in forward (which runs without a graph)
     and saved."""
-    custom, seen = [], set()
-    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
+    custom = []
+    for node in _graph_nodes(t.grad_fn for t in roots):
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             custom.append(node)
             if node._forward_cls.__module__.startswith("torch._higher_order_ops"):  # type: ignore[attr-defined]
@@ -114,7 +110,6 @@ def _differentiable_backward(roots):
                                  "differentiable as they should be (torch.cond's leaves the graph; while_loop's gives "
                                  "wrong second derivatives without a word), so second derivatives through it are "
                                  "refused; compute both branches and pick with torch.where, or unroll the loop")
-        stack += [child for child, _ in node.next_functions if child is not None]
     broken: list[str] = []
 
     def check(node):

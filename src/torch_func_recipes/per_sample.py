@@ -26,6 +26,7 @@ from ._batch import (
     _generator_states,
     _GeneratorWatch,
     _Grads,
+    _graph_nodes,
     _held_generators,
     _Inputs,
     _LossFn,
@@ -431,14 +432,7 @@ def _lowest_layers(layers):
     for k, layer in enumerate(layers):
         if layer["z"].grad_fn is None:  # computed without autograd (under torch.no_grad, say): no gradient reaches it
             continue
-        stack, seen, below = [n for n, _ in layer["z"].grad_fn.next_functions if n is not None], set(), False
-        while stack and not below:
-            node = stack.pop()
-            if node not in seen:
-                seen.add(node)
-                below = node in nodes
-                stack.extend(n for n, _ in node.next_functions if n is not None)
-        if not below:
+        if not any(node in nodes for node in _graph_nodes(n for n, _ in layer["z"].grad_fn.next_functions)):
             lowest.append(k)
     return lowest
 
