@@ -600,6 +600,40 @@ def test_randomness_from_a_generator_held_deeper(recipes):
     recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0, norms=norms)
 
 
+def noise_then_a_flip(m, x):
+    """Noise from the model's own generator, then an operation the fast path does not cover (a flip of the features)."""
+    h = torch.tanh(m.a(x))
+    return m.b((h + 0.1 * torch.randn(h.shape, generator=m.g, dtype=h.dtype, device=h.device)).flip(1))
+
+
+def test_a_failed_trace_leaves_the_generators_as_it_found_them(recipes):
+    """The fast path's trace draws from the model's generator before it meets the flip and stops: refused
+    (path="fast"), every recipe leaves that generator and the default one as it found them (before: moved, but
+    clipped_grad_sum's); on path "auto", vmap then starts from the call's state, so the answer and the generator
+    after it are those of path="vmap" alone."""
+    def calls(model):
+        return {"per_sample_grads": lambda **kw: recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS, **kw),
+                "per_sample_grad_norms": lambda **kw: recipes["per_sample_grad_norms"](model, F.cross_entropy, X, TARGETS, **kw),
+                "clipped_grad_sum": lambda **kw: recipes["clipped_grad_sum"](model, F.cross_entropy, X, TARGETS, max_norm=1.0, **kw),
+                "output_jacobian": lambda **kw: recipes["output_jacobian"](model, X, **kw)}
+
+    model = net(noise_then_a_flip, g=torch.Generator().manual_seed(3)).double().train()
+    for name, call in calls(model).items():
+        seed, default = model.g.get_state(), torch.get_rng_state()
+        with pytest.raises(ValueError, match="the fast path does not apply: aten.flip"):
+            call(path="fast")
+        assert torch.equal(model.g.get_state(), seed) and torch.equal(torch.get_rng_state(), default), name
+    for name in calls(model):
+        model = net(noise_then_a_flip, g=torch.Generator().manual_seed(3)).double().train()  # its first trace
+        seed = model.g.get_state()
+        auto, how = calls(model)[name](report=True)
+        after = model.g.get_state()
+        model.g.set_state(seed)
+        alone = calls(model)[name](path="vmap")
+        assert how.path == "vmap" and torch.equal(after, model.g.get_state()), name
+        assert all(torch.equal(auto[k], alone[k]) for k in auto) if isinstance(auto, dict) else torch.equal(auto, alone), name
+
+
 class LocalSeeded(nn.Module):
     """Deterministic, though it draws: a generator made and seeded in every forward pass, the same noise each time."""
 

@@ -1,8 +1,9 @@
 """No recipe changes the user's model, whether it answers, refuses or fails (issue 25, item 2): every
 parameter and buffer is compared byte for byte, and so are each module's training flag, its hooks, its
 attributes and the parameters' .grad and requires_grad. Models with buffers (BatchNorm in eval mode, with
-running statistics away from their initial values, and a buffer of the model's own) and with a GRU (which
-the per-example recipes run on a stand-in) go through every data-taking recipe."""
+running statistics away from their initial values, and a buffer of the model's own), with a GRU (which
+the per-example recipes run on a stand-in), and with buffers its own forward pass and a backward hook write
+into (put back by _batch._model_kept) go through every data-taking recipe."""
 import pytest
 import torch
 import torch.nn as nn
@@ -35,9 +36,33 @@ class Recurrent(nn.Module):
         return self.head(self.rnn(x)[0][:, -1])
 
 
+class WritesItsBuffers(nn.Module):
+    """A forward pass that keeps a running mean of its hidden layer by hand, in place, and a backward hook that
+    adds up the head's output gradients into another buffer: every call of the model changes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.register_buffer("seen", torch.zeros(6))
+        self.register_buffer("backward_total", torch.zeros(()))
+        self.head.register_full_backward_hook(self.count)
+
+    def count(self, module, grad_in, grad_out):
+        with torch.no_grad():
+            self.backward_total.add_(grad_out[0].detach().square().sum())
+
+    def forward(self, x):
+        h = torch.tanh(self.encode(x)).mean(1)
+        with torch.no_grad():
+            self.seen.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        return self.head(h)
+
+
 def build(kind):
     torch.manual_seed(42)
-    model = (WithBuffers() if kind == "buffers" else Recurrent()).double()
+    model = {"buffers": WithBuffers, "recurrent": Recurrent, "writes": WritesItsBuffers}[kind]().double()
+    if kind == "writes":
+        model(X).sum().backward()  # the buffers and every .grad away from their initial values
     if kind == "buffers":
         with torch.no_grad():  # running statistics and the own buffer away from their initial values
             model(X)
@@ -66,7 +91,7 @@ def fails_midway(out, t):
     raise RuntimeError("the loss failed on purpose")
 
 
-@pytest.mark.parametrize("kind", ["buffers", "recurrent"])
+@pytest.mark.parametrize("kind", ["buffers", "recurrent", "writes"])
 @pytest.mark.parametrize("recipe", list(ALL))
 def test_the_model_is_left_as_it_was(recipe, kind):
     model = build(kind)

@@ -121,13 +121,13 @@ def vector_like(model):
     return {n: torch.ones_like(p) for n, p in model.named_parameters()}
 
 
-PER_EXAMPLE = {
-    "per_sample_grads": lambda m, loss, x, t: tfr.per_sample_grads(m, loss, x, t),
-    "per_sample_grad_norms": lambda m, loss, x, t: tfr.per_sample_grad_norms(m, loss, x, t),
-    "clipped_grad_sum": lambda m, loss, x, t: tfr.clipped_grad_sum(m, loss, x, t, max_norm=1.0),
-    "clipped_noisy_gradient": lambda m, loss, x, t: tfr.clipped_noisy_gradient(m, loss, x, t, max_norm=1.0, noise_multiplier=0.0,
-                                                                                expected_batch_size=5),
-    "output_jacobian": lambda m, loss, x, t: tfr.output_jacobian(m, x),
+PER_EXAMPLE = {  # keyword arguments (path, report) passed on
+    "per_sample_grads": lambda m, loss, x, t, **kw: tfr.per_sample_grads(m, loss, x, t, **kw),
+    "per_sample_grad_norms": lambda m, loss, x, t, **kw: tfr.per_sample_grad_norms(m, loss, x, t, **kw),
+    "clipped_grad_sum": lambda m, loss, x, t, **kw: tfr.clipped_grad_sum(m, loss, x, t, max_norm=1.0, **kw),
+    "clipped_noisy_gradient": lambda m, loss, x, t, **kw: tfr.clipped_noisy_gradient(m, loss, x, t, max_norm=1.0, noise_multiplier=0.0,
+                                                                                      expected_batch_size=5, **kw),
+    "output_jacobian": lambda m, loss, x, t, **kw: tfr.output_jacobian(m, x, **kw),
 }
 CURVATURE = {
     "param_hvp": lambda m, loss, x, t: tfr.param_hvp(m, loss, x, t, vector_like(m)),
@@ -551,6 +551,54 @@ def test_a_backward_pass_that_writes_grad_is_refused_and_grad_is_left_as_it_was(
         ALL[recipe](model, CE, X, T)
     assert model.middle.weight.grad is before and bool((before == 1).all())
     assert model.middle.bias.grad is None and model.first.weight.grad is None
+
+
+class WritesGrad(nn.Module):
+    """model_and_loss()'s layers, with a hook on the first layer's output that writes the last layer's .grad when
+    the backward pass reaches it (write=True); the fast path covers the model either way."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.first, self.rest, self.write = model_and_loss()[0], model_and_loss()[1:], write
+
+    def forward(self, x):
+        z = self.first(x)
+        if self.write and z.requires_grad:
+            z.register_hook(lambda g: setattr(self.rest[1].bias, "grad", torch.ones_like(self.rest[1].bias)))
+        return self.rest(z)
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+def test_a_hook_writing_grad_on_the_fast_path_is_refused_and_grad_is_left_as_it_was(recipe):
+    """The fast path's backward pass runs the model's hooks too: the same guard holds there (without the hook the
+    model takes the fast path)."""
+    assert ALL[recipe](WritesGrad(write=False), CE, X, T, report=True)[1].path == "fast"
+    model = WritesGrad(write=True)
+    with pytest.raises(ValueError, match=r"^rest.2.bias: the backward pass wrote into their .grad"):
+        ALL[recipe](model, CE, X, T)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def masked_first_layer():
+    """model_and_loss() with a gradient hook on its first weight that zeroes the gradient's first row."""
+    model = model_and_loss()
+    model[0].weight.register_hook(lambda g: g * torch.arange(4, dtype=g.dtype).clamp(max=1)[None, :])
+    return model
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+def test_a_parameter_with_a_gradient_hook_takes_the_loop_and_is_refused_where_the_hook_would_be_left_out(recipe):
+    """The fast path and vmap compute each example's gradient without the parameter's own hook; the loop runs it
+    (the hook zeroes column 0 of the first weight's gradient: the answers differ without it)."""
+    got, how = ALL[recipe](masked_first_layer(), CE, X, T, report=True)
+    assert how.path == "loop" and "gradient hook" in how.reason
+    assert torch.equal(flat(got), flat(ALL[recipe](masked_first_layer(), CE, X, T, path="loop")))
+    assert not torch.allclose(flat(got), flat(ALL[recipe](model_and_loss(), CE, X, T)))
+    if recipe == "per_sample_grads":
+        assert got["0.weight"][:, :, 0].abs().max() == 0 and got["0.weight"][:, :, 1:].abs().min() > 0
+    for path in ("fast", "vmap"):
+        with pytest.raises(ValueError, match=r"0.weight has a gradient hook \(Tensor.register_hook\)"):
+            ALL[recipe](masked_first_layer(), CE, X, T, path=path)
 
 
 @pytest.mark.parametrize("recipe", list(ALL))

@@ -57,9 +57,15 @@ use_reentrant=True)``, a Function reading   (transformers' default), pass the pa
 a parameter it is not given)                Function, or freeze it; one read under a plain no_grad
                                             gets autograd's zero, as with ``.backward()``
 a custom Function whose backward calls      ValueError naming them, for every recipe taking data
-backward() itself for parameters it         (``_grads_set_aside``): every path would give them no
+backward() itself for parameters it         (``_model_kept``): every path would give them no
 returns no gradient for (a reentrant        gradient; their ``.grad`` (which it writes) is put back
 checkpoint written by hand)                 as it was
+a parameter with a gradient hook of its     per-example recipes: the loop, the one path that runs it on
+own (``Tensor.register_hook``)              each example's gradient; ``path='fast'``, ``'vmap'`` or
+                                            ``'unroll'``: ValueError (each would leave it out)
+a forward pass or hook that writes into a   every recipe puts the buffer back (``_model_kept``) and
+buffer, or a hook that writes ``.grad``     refuses a written ``.grad`` (ValueError; ``.grad`` put
+                                            back); Python attributes (a call counter) are not kept
 no parameter requires grad                  ValueError for every recipe
 called inside ``torch.no_grad()`` or        every recipe computes as outside them (gradients are
 ``torch.inference_mode()``                  enabled inside the call; inference tensors are copied);
@@ -593,6 +599,14 @@ def _graph_nodes(starts: Iterable[Any]) -> Iterator[Any]:
         stack.extend(child for child, _ in node.next_functions if child is not None)
 
 
+def _hooked_parameters(model: nn.Module) -> list[str]:
+    """The trainable parameters with a gradient hook of their own (Tensor.register_hook): autograd runs it on every
+    gradient taken of the parameter, the loop's per example included, but the fast path computes each example's
+    gradient from the layer's input and output gradient, and vmap from a copy of the parameter that carries no hook:
+    both would leave it out."""
+    return [name for name, p in model.named_parameters() if p.requires_grad and p._backward_hooks]
+
+
 def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = True) -> None:
     """Refuses (ValueError) a model whose forward pass uses a trainable parameter inside a custom autograd.Function's
     forward (with gradients off, or under enable_grad on a graph of the forward's own) where autograd does not
@@ -660,14 +674,33 @@ def _remembered_draws(model: nn.Module, batch: _Batch) -> bool:
 
 
 @contextlib.contextmanager
-def _grads_set_aside(model: Any) -> Any:
-    """Around a recipe's backward passes, which take gradients by torch.autograd.grad and so write no parameter's
-    .grad: each parameter's .grad is set aside (None meanwhile) and put back on the way out, whatever happens, and
-    a backward pass that wrote one anyway is refused (ValueError naming the parameters). That is a custom
-    autograd.Function whose backward calls backward() itself for parameters it does not return gradients for (a
-    hand-written reentrant checkpoint given them as inputs, say): every path would give them autograd's zero,
-    silently, and would change the model's .grad. An error raised inside is raised as it is, .grad put back."""
+def _model_kept(model: Any) -> Any:
+    """Around all a recipe runs on the model: puts back, on the way out and whatever happens, what the model's own
+    code may change along the way, so that a recipe leaves the model as it found it whether it answers, refuses or
+    fails (tests/test_model_untouched.py):
+
+    - each parameter's .grad, set aside meanwhile (None). The recipes take gradients by torch.autograd.grad, which
+      writes none, so a backward pass that wrote one anyway is refused (ValueError naming the parameters): a custom
+      autograd.Function whose backward calls backward() itself for parameters it returns no gradient for (a
+      hand-written reentrant checkpoint given them as inputs, say), for which every path would give autograd's
+      zero, silently; or a hook that writes .grad.
+    - each buffer, copied on the way in (a model's buffers are small: running statistics, position ids; 4 kB on
+      the ResNet of scripts/gpu_table.py, none on its GPT-2): one a forward pass or hook changed in place (a
+      running statistic kept by hand, spectral_norm's power iteration in training mode) or replaced is put back.
+
+    Not put back: the model's Python attributes (a call counter), and a parameter changed through .data. An error
+    raised inside is raised as it is, after all is put back."""
     params = list(model.named_parameters()) if isinstance(model, nn.Module) else []
+    buffers: list[tuple[nn.Module, str, torch.Tensor, int | None, torch.Tensor | None]] = []
+    for module in model.modules() if isinstance(model, nn.Module) else ():
+        for name, b in module.named_buffers(recurse=False, remove_duplicate=False):
+            if isinstance(b, nn.parameter.UninitializedBuffer):
+                continue
+            if b.is_inference():  # no version counter, and nothing outside inference_mode writes into it
+                buffers.append((module, name, b, None, None))
+            else:
+                with torch.inference_mode(False), torch.no_grad():
+                    buffers.append((module, name, b, b._version, b.clone()))
     saved = [p.grad for _, p in params]
     for _, p in params:
         p.grad = None
@@ -677,13 +710,20 @@ def _grads_set_aside(model: Any) -> Any:
         written = [name for name, p in params if p.grad is not None]
         for (_, p), grad in zip(params, saved):
             p.grad = grad
+        for module, name, b, version, copy in buffers:
+            if getattr(module, name, None) is not b:
+                setattr(module, name, b)
+            if copy is not None and b._version != version:
+                with torch.inference_mode(False), torch.no_grad():
+                    (b.resize_(copy.shape) if b.shape != copy.shape else b).copy_(copy)  # resized in place: put back too
     if written:
         names = ", ".join(written[:3]) + (f" and {len(written) - 3} more parameters" if len(written) > 3 else "")
         raise ValueError(f"{names}: the backward pass wrote into their .grad, which torch.autograd.grad (every recipe's "
                          "backward pass) never does: a custom autograd.Function's backward calls backward() itself for "
                          "parameters it returns no gradient for (a hand-written reentrant checkpoint, say), so every "
-                         "path would give them none; use torch.utils.checkpoint(..., use_reentrant=False), or return "
-                         "their gradients from the Function's backward (the model's .grad is left as it was)")
+                         "path would give them none, or a hook writes .grad; use torch.utils.checkpoint(..., "
+                         "use_reentrant=False), or return their gradients from the Function's backward (the model's "
+                         ".grad is left as it was)")
 
 
 def _gradients_enabled(recipe: Callable[..., Any]) -> Callable[..., Any]:
@@ -697,7 +737,7 @@ def _gradients_enabled(recipe: Callable[..., Any]) -> Callable[..., Any]:
             if any(isinstance(leaf, torch.Tensor) and leaf.is_inference() for leaf in leaves):
                 args, kwargs = tree_unflatten([leaf.clone() if isinstance(leaf, torch.Tensor) and leaf.is_inference() else leaf
                                                for leaf in leaves], spec)
-            with _grads_set_aside(args[0] if args else kwargs.get("model")):
+            with _model_kept(args[0] if args else kwargs.get("model")):
                 return recipe(*args, **kwargs)
 
     return run

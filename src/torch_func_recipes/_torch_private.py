@@ -125,8 +125,10 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "no public API says whether a module has forward pre-hooks, which may change its input and so "
                "rule out the direct per-example product",
                None, lambda: nn.Linear(1, 1)),
-    PrivateAPI("Module._backward_hooks", "object attribute", _SCREEN,
-               "no public API says whether a module has backward hooks, which the fast path would skip",
+    PrivateAPI("Module._backward_hooks", "object attribute", (*_SCREEN, "_batch._hooked_parameters"),
+               "no public API says whether a module has backward hooks, which the fast path would skip, nor whether a "
+               "parameter has gradient hooks of its own (Tensor.register_hook keeps them in its _backward_hooks too), "
+               "which the fast path and vmap would skip",
                None, lambda: nn.Linear(1, 1)),
     PrivateAPI("Module._backward_pre_hooks", "object attribute", _SCREEN,
                "no public API says whether a module has backward pre-hooks, which the fast path would skip",
@@ -139,7 +141,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "the operator's schema names its arguments with their defaults and says which ones it writes into; "
                "the public OpOverload attributes (name(), tags) do not",
                None, lambda: torch.ops.aten.add_.Tensor),
-    PrivateAPI("Tensor._version", "object attribute", ("_layer_batch_norm._BatchNormRule.record", "_layer_conv._ConvRule.record",
+    PrivateAPI("Tensor._version", "object attribute", ("_batch._model_kept", "_layer_batch_norm._BatchNormRule.record", "_layer_conv._ConvRule.record",
                                                        "_layer_embedding._EmbeddingRule._record_broadcast",
                                                        "_layer_embedding._EmbeddingRule.record", "_layer_group_norm._GroupNormRule.record",
                                                        "_layer_hf_conv1d._HFConv1DRule.record",
@@ -150,7 +152,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                                                        "_trace._run_trace"),
                "the version counter is the only record that an in-place operation changed a layer's input or output "
                "after the trace saved it (one more per in-place operation, which an addition into a layer's fresh "
-               "output is allowed)",
+               "output is allowed), or a buffer during a recipe (which is then put back)",
                None, lambda: torch.zeros(1)),
     PrivateAPI("Tensor._cdata", "object attribute", tuple(f"_trace._BatchTrace.{m}" for m in (
                    "__init__", "__torch_dispatch__", "admit", "follow_cast", "follow_fresh", "mark_transposed", "param_of", "r_of", "rule",

@@ -19,7 +19,19 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ._batch import _Batch, _call_signature, _check_examples_apart, _per_model, _scalar_loss
+from ._batch import (
+    _Batch,
+    _call_signature,
+    _check_examples_apart,
+    _cuda_devices,
+    _generator_states,
+    _GeneratorWatch,
+    _held_generators,
+    _per_model,
+    _remembered_draws,
+    _scalar_loss,
+    _set_generator_states,
+)
 from ._layers import _LayerRule, _rule_of, _rules_for
 
 
@@ -550,8 +562,8 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
     """Whether the fast path may apply, as far as is known before its trace: (None, owners) if it may, owners
     being _owner_rules(model, trainable, need), which the trace then checks every use against (so they are worked
     out once per call); otherwise (the reason, None): another path was asked for, a parameter belongs to a module
-    no layer rule covers, or a backward hook is registered. need: what the caller asks of the layer rules
-    ("grads", "jacobian" or "norms"). Where the fast path may apply, a model whose output for one example depends
+    no layer rule covers, a backward hook is registered, or a parameter has a gradient hook. need: what the caller
+    asks of the layer rules ("grads", "jacobian" or "norms"). Where the fast path may apply, a model whose output for one example depends
     on the other examples of the batch is refused here, as off the fast path (_batch._check_examples_apart,
     remembered per call signature): the trace sees every operation but not the Python numbers a forward pass reads
     from a tensor, such as the batch's size (`h / x.shape[0]`) or `.tolist()` of its values."""
@@ -568,6 +580,9 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
     for name, module in model.named_modules():
         if module._backward_hooks or module._backward_pre_hooks:
             return f"{name or 'the model'} has a backward hook", None
+    for name, p in trainable.items():
+        if p._backward_hooks:  # _batch._hooked_parameters: only the loop runs it
+            return f"parameter {name} has a gradient hook (Tensor.register_hook), which only the loop runs", None
     if nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks:
         return "a global module backward hook is registered", None
     _check_examples_apart(model, batch)
@@ -586,14 +601,30 @@ def _traced_forward(model, batch, trainable, need="grads", owners=None, memo=Non
     or (None, None, reason). need: what the caller asks of the layer rules ("grads", "jacobian", "norms");
     owners: from _owner_rules on the model. A trace that failed for this model and call signature before is
     not run again: its reason is returned at once. memo: the model whose memory that is kept in (default: model;
-    output_jacobian passes its model, where `model` is a new function of it on every call)."""
+    output_jacobian passes its model, where `model` is a new function of it on every call). For a model known to
+    draw random numbers (_batch._remembered_draws), a trace that fails or raises leaves every generator it drew
+    from as it found it (the default ones, those the model holds, any other it passed to a torch function)."""
     memo = model if memo is None else memo
     failed = _per_model(_FAILED, memo, dict)
     signature = _call_signature(memo, batch)  # shapes, dtypes, devices, other arguments, modes, grad mode
     key = None if signature is None else (need, tuple(trainable), signature)
     if key is not None and key in failed:
         return None, None, failed[key]
-    output, layers, reason = _run_trace(model, batch, trainable, need, owners)
+    if not (isinstance(memo, nn.Module) and _remembered_draws(memo, batch)):
+        output, layers, reason = _run_trace(model, batch, trainable, need, owners)
+    else:  # a trace that fails is undone: the path that runs next, or the refusal, starts from the call's generators
+        cuda, held = _cuda_devices(memo, batch), _held_generators(memo)
+        before, watch = _generator_states(cuda, held), _GeneratorWatch()
+        try:
+            with watch:
+                output, layers, reason = _run_trace(model, batch, trainable, need, owners)
+        except BaseException:
+            reason = "raised"
+            raise
+        finally:
+            if reason is not None:
+                _set_generator_states(before, cuda, held)
+                watch.restore(held)
     if reason is not None and key is not None:
         failed[key] = reason
     return output, layers, reason

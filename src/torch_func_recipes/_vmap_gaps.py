@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._batch import _check_examples_apart, _check_parameters_reached, _grads_set_aside
+from ._batch import _check_examples_apart, _check_parameters_reached, _hooked_parameters
 from ._trace import PathReport
 
 
@@ -192,15 +192,16 @@ def _with_fallbacks(model, batch, path, run_vmap, run_loop, reason):
     and cuDNN's kernel fails on a GPU, so plain vmap is not tried), else plain vmap. The loop runs only after
     that raised, whatever the error (no message is inspected), and the report says what was raised; if the
     loop raises too, its error is raised, chained to vmap's (__cause__). reason: why no faster path ran, kept
-    in the report of the vmap path. All of it runs with the parameters' .grad set aside (_batch._grads_set_aside):
-    a backward pass that writes one is refused.
+    in the report of the vmap path. A parameter with a gradient hook of its own (_batch._hooked_parameters) sends
+    "auto" to the loop, the one path that runs it, and is refused on "vmap" and "unroll".
     """
-    with _grads_set_aside(model):
-        return _run_paths(model, batch, path, run_vmap, run_loop, reason)
-
-
-def _run_paths(model, batch, path, run_vmap, run_loop, reason):
     _check_examples_apart(model, batch)
+    hooked = _hooked_parameters(model) if isinstance(model, nn.Module) else []
+    if hooked and path != "loop":
+        if path != "auto":
+            raise ValueError(f"parameter {hooked[0]} has a gradient hook (Tensor.register_hook), which {path} would leave out "
+                             "(it differentiates a copy of the parameter): path='loop' runs it on each example's gradient")
+        path, reason = "loop", f"parameter {hooked[0]} has a gradient hook (Tensor.register_hook), which only the loop runs"
     if path == "loop":
         _check_parameters_reached(model, batch, remember=False)
         return run_loop(), PathReport("loop", reason)

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.func import jacrev, vmap
 
-from ._batch import _as_batch, _check_chunk_size, _check_model, _Inputs, _Unbatched
+from ._batch import _as_batch, _check_chunk_size, _check_model, _Inputs, _model_kept, _Unbatched
 from ._layers import _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
 from ._trace import PathReport, _check_path, _fast_path_screen, _traced_forward
 from ._vmap_gaps import _with_fallbacks
@@ -65,7 +65,7 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
     total = sum(p.numel() for p in trainable.values())
     select = select or (lambda output: output)
     forward = lambda *args, **kwargs: select(model(*args, **kwargs))  # noqa: E731
-    with torch.inference_mode(False), torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad(), _model_kept(model):
         batch = batch.usable_outside_inference_mode()
         if size == 0:
             try:

@@ -30,6 +30,7 @@ from ._batch import (
     _held_generators,
     _Inputs,
     _LossFn,
+    _model_kept,
     _random_modules,
     _remembered_draws,
     _row_squares,
@@ -111,7 +112,7 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             given = out.get(name)
             if given is None or given.shape != (size, *p.shape) or given.dtype != p.dtype or given.device != p.device:
                 raise ValueError(f"out[{name!r}] must be a {p.dtype} tensor of shape {(size, *p.shape)} on {p.device}")
-    with torch.inference_mode(False), torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad(), _model_kept(model):
         batch = batch.usable_outside_inference_mode()
         if size == 0:
             result = out or {name: p.new_empty((0, *p.shape)) for name, p in trainable.items()}
@@ -390,7 +391,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
     batch = _as_batch(inputs, targets, unbatched, keyword_inputs)
     _check_chunk_size(chunk_size)
     _check_path(path)
-    with torch.inference_mode(False), torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad(), _model_kept(model):
         batch = batch.usable_outside_inference_mode()
         if len(batch) == 0:
             norms = next(iter(trainable.values())).new_zeros(0)
@@ -756,7 +757,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
         raise ValueError(f"norms were given, but {random[0][0]} ({type(random[0][1]).__name__}) is random in training "
                          "mode: norms from another forward pass do not match this pass's random draws, and the clipping "
                          "bound could break; leave norms=None to get both from one forward pass")
-    with torch.inference_mode(False), torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad(), _model_kept(model):
         batch = batch.usable_outside_inference_mode()
         if len(batch) == 0:
             zeros = {name: torch.zeros_like(p) for name, p in trainable.items()}
