@@ -467,7 +467,8 @@ def empirical_fisher_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], 
     contractions.
 
     Args:
-        model (nn.Module): the model; never modified. Random modules must be in eval mode.
+        model (nn.Module): the model; never modified (as in :func:`per_sample_grads`: buffers copied and put
+            back). Random modules must be in eval mode.
         loss_fn (Callable): ``loss_fn(model(inputs), targets)``, a mean or a sum over the examples.
         inputs (Tensor or iterable): the batch, examples along dimension 0; or an iterable of
             ``(inputs, targets)`` batches (a ``DataLoader``) for the whole dataset's curvature.

@@ -23,7 +23,7 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
     the P columns in ``named_parameters()`` order (parameters that require grad).
 
     Args:
-        model (nn.Module): the model; never modified.
+        model (nn.Module): the model; never modified (as in :func:`per_sample_grads`: buffers copied and put back).
         inputs (Tensor, tuple or dict): as in :func:`per_sample_grads`, examples along dimension 0.
         select (Callable, optional): a function of the model's output returning the (B, Y) tensor to
             differentiate (for example ``lambda out: out.logits[:, -1]``); None takes the output as it is.
