@@ -62,7 +62,9 @@ returns no gradient for (a reentrant        gradient; their ``.grad`` (which it 
 checkpoint written by hand)                 as it was
 a parameter with a gradient hook of its     per-example recipes: the loop, the one path that runs it on
 own (``Tensor.register_hook``)              each example's gradient; ``path='fast'``, ``'vmap'`` or
-                                            ``'unroll'``: ValueError (each would leave it out)
+                                            ``'unroll'``: ValueError (each would leave it out);
+                                            curvature recipes: ValueError (it changes gradients, not
+                                            the loss whose curvature they measure)
 a forward pass or hook that writes into a   every recipe puts the buffer back (``_model_kept``) and
 buffer, or a hook that writes ``.grad``     refuses a written ``.grad`` (ValueError; ``.grad`` put
                                             back); Python attributes (a call counter) are not kept

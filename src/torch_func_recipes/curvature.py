@@ -42,6 +42,7 @@ from ._batch import (
     _gradients_enabled,
     _graph_nodes,
     _held_generators,
+    _hooked_parameters,
     _set_generator_states,
 )
 from .output_jacobians import output_jacobian
@@ -241,9 +242,15 @@ class _Data:
 
 def _trainable(model, loss_fn, inputs, targets, name="inputs"):
     """The curvature recipes' one check of the model and the data (the package's validator, with random modules in
-    training mode refused): returns the parameters that require grad ({name: detached tensor}, in
+    training mode and parameters with a gradient hook refused): returns the parameters that require grad ({name: detached tensor}, in
     named_parameters() order) and the data as a _Data."""
     trainable = _check_model(model, deterministic=True)
+    hooked = _hooked_parameters(model)
+    if hooked:  # param_hvp's products ignored it, empirical_fisher_vp's (by the loop) and gauss_newton_step's gradient ran it
+        raise ValueError(f"parameter {hooked[0]} has a gradient hook (Tensor.register_hook): it changes the gradients "
+                         "autograd gives, not the loss, whose curvature these recipes measure, and some of their products "
+                         "would run it and others not; remove it for the call (its handle's .remove()), or freeze the "
+                         "parameter (requires_grad_(False))")
     params = {name: p.detach() for name, p in trainable.items()}
     data = _Data(model, loss_fn, inputs, targets, params, name)
     _check_parameters_reached(model, _as_batch(data.first_inputs))  # a reentrant checkpoint: its blocks get no curvature
