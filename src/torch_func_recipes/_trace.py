@@ -27,6 +27,7 @@ from ._batch import (
     _generator_states,
     _GeneratorWatch,
     _held_generators,
+    _hooked_parameters,
     _per_model,
     _remembered_draws,
     _scalar_loss,
@@ -563,10 +564,11 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
     being _owner_rules(model, trainable, need), which the trace then checks every use against (so they are worked
     out once per call); otherwise (the reason, None): another path was asked for, a parameter belongs to a module
     no layer rule covers, a backward hook is registered, or a parameter has a gradient hook. need: what the caller
-    asks of the layer rules ("grads", "jacobian" or "norms"). Where the fast path may apply, a model whose output for one example depends
-    on the other examples of the batch is refused here, as off the fast path (_batch._check_examples_apart,
-    remembered per call signature): the trace sees every operation but not the Python numbers a forward pass reads
-    from a tensor, such as the batch's size (`h / x.shape[0]`) or `.tolist()` of its values."""
+    asks of the layer rules ("grads", "jacobian" or "norms"). Where the fast path may apply, a model whose output
+    for one example depends on the other examples of the batch is refused here, as off the fast path
+    (_batch._check_examples_apart, remembered per call signature): the trace sees every operation but not the
+    Python numbers a forward pass reads from a tensor, such as the batch's size (`h / x.shape[0]`) or `.tolist()`
+    of its values."""
     if path in ("vmap", "unroll", "loop"):
         return f"path={path!r} was asked for", None
     owners = _owner_rules(model, trainable, need)
@@ -580,9 +582,9 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
     for name, module in model.named_modules():
         if module._backward_hooks or module._backward_pre_hooks:
             return f"{name or 'the model'} has a backward hook", None
-    for name, p in trainable.items():
-        if p._backward_hooks:  # _batch._hooked_parameters: only the loop runs it
-            return f"parameter {name} has a gradient hook (Tensor.register_hook), which only the loop runs", None
+    hooked = _hooked_parameters(model)
+    if hooked:
+        return f"parameter {hooked[0]} has a gradient hook (Tensor.register_hook), which only the loop runs", None
     if nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks:
         return "a global module backward hook is registered", None
     _check_examples_apart(model, batch)
