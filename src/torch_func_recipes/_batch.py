@@ -619,10 +619,11 @@ def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = 
     what the model means and what .backward() gives too (transformers' LayoutLMv3 reads its relative position
     biases so). How: the batch's first example runs once with gradients on, a function mode noting the parameters
     passed to torch functions inside a Function's forward (its apply on the Python stack), and the output's
-    autograd graph is walked for the parameters it reaches. Generators are left as they were found (as in _check_examples_apart). Run on every path off the
-    fast path, remembered per model and call signature; where the pass raises, the recipe's own path meets the
-    error. remember=False (before the loop, where one more forward pass of one example costs little): run even where
-    it passed before, so a model changed since (checkpointing turned on) is seen."""
+    autograd graph is walked (_graph_nodes) for the parameters it reaches. Generators are left as they were found
+    (as in _check_examples_apart). Run on every path off the fast path, remembered per model and call signature;
+    where the pass raises, the recipe's own path meets the error. remember=False (before the loop, where one more
+    forward pass of one example costs little): run even where it passed before, so a model changed since
+    (checkpointing turned on) is seen."""
     if not isinstance(model, nn.Module) or len(batch) == 0:
         return
     signature = _call_signature(model, batch) if remember else None

@@ -57,7 +57,7 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
 
     Args:
         model (nn.Module): the model; it is never modified (parameters, their ``.grad``, buffers, methods, hooks):
-            its buffers are copied on the way in and any its forward pass or hooks write into is put back.
+            its buffers are copied on the way in, and any buffer its forward pass or hooks write into is put back.
         loss_fn (Callable): ``loss_fn(output, targets)``, or ``loss_fn(output)`` when ``targets`` is None:
             receives the model's output (whatever it returns) and the targets of one example as a batch of
             one, and returns that example's loss as a 0-d tensor.
