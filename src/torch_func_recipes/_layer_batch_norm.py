@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._layers import _LayerRule, _register
+from ._layers import _LayerRule, _register, _times
 
 _aten = torch.ops.aten
 
@@ -23,7 +23,7 @@ def _by_example(t, batch):
 
 
 def _centred(layer, batch):
-    """The input minus the running mean, (B, C, positions), and the scale that normalises it, (C,)."""
+    """The input minus the running mean, (B, C, positions), in new memory, and the scale that normalises it, (C,)."""
     a = layer["a"].detach()
     shape = (1, -1) + (1,) * (a.dim() - 2)
     return _by_example(a - layer["mean"].view(shape), batch), torch.rsqrt(layer["var"] + layer["eps"])
@@ -53,15 +53,17 @@ class _BatchNormRule(_LayerRule):
 
     def _shares(self, layer, g, batch):
         """(weight, bias) gradients of each example, (B, C) each, from the output gradient g (B*r, C, ...): the
-        weight's is each channel's sum over positions of g times the normalised input, an inner product per
-        example and channel (einsum: a batched matrix product, with no temporary as large as g), scaled after."""
+        weight's is each channel's sum over positions of g times the normalised input, formed in the centred
+        input's own memory (_times: no temporary as large as g beyond it) and scaled after. An einsum of the two
+        (a batched product of B*C dot products) took 2.0 times as long on 2 CPU cores at ResNet's first layer."""
         g = _by_example(g, batch)
         x, scale = self._centred(layer, batch)
-        weight = torch.einsum("bcp,bcp->bc", g, x)
+        weight = _times(x, g).sum(2)
         return weight if scale is None else weight * scale, g.sum(2)
 
     def _centred(self, layer, batch):
-        """The layer's input, centred, (B, C, positions), and the (C,) scale that normalises it (None: none)."""
+        """The layer's input, centred, (B, C, positions), and the (C,) scale that normalises it (None: none). The input
+        is in new memory, which _shares overwrites."""
         return _centred(layer, batch)
 
     def _normalised(self, layer, batch):

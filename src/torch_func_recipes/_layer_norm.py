@@ -14,13 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._layers import _LayerRule, _register
-
-
-def _times(x_hat, g):
-    """x_hat * g, written into x_hat (a normalised input made for the product alone) where that loses nothing: no
-    second temporary as large as the layer's output."""
-    return x_hat.mul_(g) if x_hat.dtype == torch.result_type(x_hat, g) else x_hat * g
+from ._layers import _LayerRule, _register, _times
 
 
 class _LayerNormRule(_LayerRule):

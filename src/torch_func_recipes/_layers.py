@@ -160,6 +160,12 @@ def _delta_in_dtype(layer: dict, delta: torch.Tensor) -> torch.Tensor:
     return delta if dtype is None or delta.dtype == dtype else delta.to(dtype)
 
 
+def _times(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """x * g, written into x (a tensor made for the product alone: a normalised or centred input) where that
+    loses nothing: no second temporary as large as the layer's output."""
+    return x.mul_(g) if x.dtype == torch.result_type(x, g) else x * g
+
+
 def _gram(x: tuple, y: tuple) -> torch.Tensor:
     """(B, T1, T2): the inner products of every row of factor x with every row of factor y, per example (factors as in
     _LayerRule.outer_factors; a one-hot row picks an entry of the other's row, two one-hot rows match or not)."""
