@@ -7,6 +7,7 @@ different numbers of rows, a loss that is not one number, BatchNorm in training 
 training mode, no trainable parameter, and a call inside no_grad or inference_mode. The table in _batch's
 docstring is what these tests check."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -505,6 +506,30 @@ def test_a_reentrant_checkpoint_is_refused_naming_its_parameters_and_a_plain_one
     with pytest.raises(ValueError, match=r"^first.weight, first.bias: read inside a custom autograd.Function's forward.*use_reentrant=False"):
         ALL[recipe](Checkpointed(reentrant=True), CE, X, T)
     assert torch.allclose(flat(ALL[recipe](Checkpointed(reentrant=False), CE, X, T)), flat(ALL[recipe](model_and_loss(), CE, X, T)))
+
+
+class ReentrantMiddle(nn.Module):
+    """model_and_loss()'s layers with a middle one under a reentrant checkpoint whose input, an intermediate,
+    requires grad: the model's own pass gives no warning."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.middle, self.last = model_and_loss()[0], nn.Linear(6, 6).double(), model_and_loss()[1:]
+
+    def forward(self, x):
+        return self.last(torch.utils.checkpoint.checkpoint(self.middle, self.first(x), use_reentrant=True))
+
+
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_a_reentrant_checkpoint_is_refused_without_a_warning_from_the_checks(recipe):
+    """The checks' own forward passes (whether examples stay apart, which linear layers the norms cover) ran under
+    no_grad, where that checkpoint warns that its gradients will be None: a warning about a pass the user never
+    ran, on stderr. They run with gradients on, as every path of the recipes does."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match=r"^middle.weight, middle.bias: read inside a custom autograd.Function's forward"):
+            ALL[recipe](ReentrantMiddle(), CE, X, T)
+    assert [str(w.message) for w in caught] == []
 
 
 class _HandWrittenReentrant(torch.autograd.Function):

@@ -448,8 +448,9 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     batch that another example can flip): then no example has a gradient of its own, and per-example gradients,
     norms or a clipped sum would be silently wrong (vmap and the loop see each example alone, where a batch
     mean is the example itself). How: the model runs on the batch's first two examples together and on each
-    alone, under no_grad and with autocast off (its rounding differs between batch sizes: a bfloat16 Llama's
-    outputs 3e-3 apart), and every output tensor with the two examples along dimension 0 must agree to a
+    alone, with gradients on as on every path the recipes take (a model may branch on the grad mode, and a
+    reentrant checkpoint warns under no_grad that its gradients will be None) and autocast off (its rounding
+    differs between batch sizes: a bfloat16 Llama's outputs 3e-3 apart), and every output tensor with the two examples along dimension 0 must agree to a
     relative 1e-5 of its largest entry, or 16 roundings of a dtype coarser than float32 (rounding between batch
     sizes stays far below). Cost: three forward passes of one or two examples, on every path (the fast path's
     trace sees each operation, but not a Python number read from a tensor: the batch's size in `h / x.shape[0]`,
@@ -481,25 +482,25 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
         # the caller's generators are left as they were (the default ones by fork_rng, those the model holds put
         # back below); a pass that drew random numbers (dropout by F.dropout or a float rate, noise by hand, from one
         # of them) cannot be compared with another, so the check is left undone, and remembered
-        with torch.no_grad(), contextlib.ExitStack() as context, torch.random.fork_rng(devices=cuda):
+        with torch.enable_grad(), contextlib.ExitStack() as context, torch.random.fork_rng(devices=cuda):
             for device in {t.device.type for t in batch.tensors()} | {"cpu"}:
                 if torch.is_autocast_enabled(device):
                     context.enter_context(torch.autocast(device, enabled=False))
             before = _generator_states(cuda, held)
             with watch:
-                together = tree_flatten(batch.rows(slice(0, 2)).call(model))[0]
+                together = _detached(batch.rows(slice(0, 2)).call(model))
             # a moved generator, or one drawn from that the states do not cover, means random draws, or a pass that
             # re-seeds a generator and is deterministic: a second pass, from where the first left the generators,
             # gives other outputs only in the first case
             drew = (_drew_random_numbers(before, cuda, held) or bool(watch.others(held))) and not _outputs_agree(
-                together, tree_flatten(batch.rows(slice(0, 2)).call(model))[0])
+                together, _detached(batch.rows(slice(0, 2)).call(model)))
             if signature is not None:
                 _per_model(_DRAWS, model, dict)[signature] = drew
             if drew:
                 if signature is not None:
                     passed.add(signature)
                 return
-            alone = [tree_flatten(batch.rows(slice(n, n + 1)).call(model))[0] for n in (0, 1)]
+            alone = [_detached(batch.rows(slice(n, n + 1)).call(model)) for n in (0, 1)]
     except Exception:  # any error: the recipe's own path meets it and reports it (no message is read here)
         return
     finally:
@@ -523,6 +524,11 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
                              "of its own; compute it per example (BatchNorm: model.eval(), or GroupNorm/LayerNorm)")
     if signature is not None:
         passed.add(signature)
+
+
+def _detached(output: Any) -> list:
+    """The leaves of a model's output (a tensor, or a pytree of them), tensors detached: a check's pass keeps no graph."""
+    return [t.detach() if isinstance(t, torch.Tensor) else t for t in tree_flatten(output)[0]]
 
 
 def _tolerance(output: torch.Tensor) -> float:

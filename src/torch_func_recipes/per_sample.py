@@ -334,7 +334,7 @@ def _covered_linear_layers(model, batch, trainable):
         return {}
     uses = _ParameterUses(trainable)
     try:
-        with torch.no_grad(), uses:
+        with torch.enable_grad(), uses:  # gradients on, as in the pass that follows (so no mode-dependent branch or warning differs)
             batch.example(0).call(model)  # one example shows which calls the forward makes
     finally:
         for handle in handles:
