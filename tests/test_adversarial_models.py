@@ -759,3 +759,65 @@ def test_constant_padding_keeps_the_fast_path_unless_it_pads_the_batch(recipes):
     _, _, why = recipes["_run_trace"](shifted.double(), recipes["_as_batch"](X, TARGETS, (), {}),
                                       dict(shifted.named_parameters()), "grads", None)
     assert why is not None and "pads along the batch dimension" in why, why
+
+
+def test_a_batch_whose_first_examples_are_equal_does_not_switch_the_check_off(recipes):
+    """Two equal examples agree together and alone even through a batch mean: a batch whose first two rows were
+    equal passed the check, which was remembered for the call's signature, and every later batch of that shape
+    took vmap and came back 0 for the mixed layers. The check compares example 0 with the first one that differs;
+    a batch of copies of one example is left unchecked and not remembered."""
+    model = mixing(mean_removed).double()
+    twin_rows = X.clone()
+    twin_rows[1] = twin_rows[0]
+    for x in (twin_rows, X):
+        with pytest.raises(ValueError, match=r"examples 0 and 2 give outputs|first two examples give outputs"):
+            recipes["per_sample_grads"](model, F.cross_entropy, x, TARGETS)
+    copies = X[:1].expand(len(X), -1).clone()
+    recipes["per_sample_grads"](model, F.cross_entropy, copies, TARGETS)  # copies of one example do not mix
+    with pytest.raises(ValueError, match="first two examples give outputs"):
+        recipes["per_sample_grads"](model, F.cross_entropy, X, TARGETS)
+
+
+class RowsOfAnUnbatchedTensor(nn.Module):
+    """x + c with c passed unbatched but with a row per example: vmap and the loop give each example all of c (the
+    recipes' contract for unbatched), the batched forward pairs row n of c with example n."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x, c):
+        return self.b(torch.tanh(self.a(x + c)))
+
+
+def mean_of_rows_loss(out, t):
+    """Cross-entropy of one example's rows averaged (an example given all of c has a row per row of c)."""
+    return F.cross_entropy(out.mean(0, keepdim=True), t)
+
+
+def test_an_unbatched_tensor_with_a_row_per_example_keeps_off_the_fast_path(recipes):
+    """The check's two examples together fail to broadcast against c's rows, which it took for an error to leave to
+    the recipe's own path; the trace took c for a constant, and the fast path paired its rows with the examples
+    (0.11 where the loop gives 0.78 on the helper's model). A model that runs on each example and on the batch but
+    not on two examples depends on the batch's size: auto takes vmap, which equals the loop; path="fast" refuses."""
+    model = RowsOfAnUnbatchedTensor().double()
+    c = randn(len(X), 6)
+    expected = {n: torch.stack([torch.autograd.grad(mean_of_rows_loss(model(X[k:k + 1], c), TARGETS[k:k + 1]), p)[0]
+                                for k in range(len(X))]) for n, p in model.named_parameters()}
+    grads, report = recipes["per_sample_grads"](model, mean_of_rows_loss, (X, c), TARGETS, unbatched=1, report=True)
+    assert report.path == "vmap" and "depends on the batch's size" in report.reason
+    assert all(close(grads[n], expected[n]) for n in expected)
+    with pytest.raises(ValueError, match="not on two of them together"):
+        recipes["per_sample_grads"](model, mean_of_rows_loss, (X, c), TARGETS, unbatched=1, path="fast")
+
+
+@pytest.mark.parametrize("path", ["auto", "vmap", "loop"])
+def test_a_select_that_mixes_the_examples_is_refused(recipes, path):
+    """output_jacobian checked the model, not select: select=lambda o: o - o.mean(0) on a model that keeps the
+    examples apart made vmap and the loop (each example's output alone, minus itself) return zeros where the batched
+    function's rows have Jacobians of up to 0.5. Refused on every path; a select of each example's rows answers."""
+    model = net(lambda m, x: m.b(torch.tanh(m.a(x)))).double()
+    with pytest.raises(ValueError, match="^select mixes the examples"):
+        recipes["output_jacobian"](model, X, select=lambda o: o - o.mean(0), path=path)
+    picked = recipes["output_jacobian"](model, X, select=lambda o: o[:, :2] * 2, path=path)
+    assert close(picked, 2 * loop_output_jacobian(model, X)[:, :2])

@@ -21,6 +21,18 @@ def residual(m, x):
     return m.out(h + torch.sin(m.hidden(h)))
 
 
+class SequenceFirst(nn.Module):
+    """A linear layer on positions first, (T, B, d) with T = B: its input has a row per example but the rows are
+    positions, so ggn_diagonal's per-layer path, which squares each row's gradient as one example's, must not take it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(2, 4), nn.Linear(4, 3)
+
+    def forward(self, x):  # x: (B, T, 2)
+        return self.out(torch.tanh(self.inp(x.transpose(0, 1))).mean(0))
+
+
 def own_models():
     """Models whose parameters a layer-by-layer method could miscount, a custom forward and BatchNorm1d."""
     torch.manual_seed(0)
@@ -30,13 +42,16 @@ def own_models():
                                       out=nn.Linear(5, 3)),
               "BatchNorm1d, eval mode": batchnorm.eval(),
               **{name: CASES[name][0] for name in ["frozen parameters", "one layer used twice", "a weight used outside its layer"]}}
-    return {name: (model.double(), X) for name, model in models.items()}
+    sequences = torch.randn(5, 5, 2, generator=torch.Generator().manual_seed(13), dtype=torch.float64)  # T = B = 5
+    return {**{name: (model.double(), X) for name, model in models.items()},
+            "a sequence-first layer, T = B": (SequenceFirst().double(), sequences)}
 
 
 MODELS = {**ZOO, **own_models()}
 # The estimators' tests solve for every eigenvalue (iterations = P): models with P below about 150.
 SMALL = ["linear", "conv1d", "LayerNorm", *list(MODELS)[len(ZOO):]]
-GENERAL = ["one layer used twice", "a weight used outside its layer"]  # ggn_diagonal cannot use the layers' products
+# ggn_diagonal cannot use the layers' products
+GENERAL = ["one layer used twice", "a weight used outside its layer", "a sequence-first layer, T = B"]
 
 
 def trainable(model):
@@ -141,8 +156,8 @@ def test_estimators_eigenvalues_ggn_shares_gauss_newton_step_and_influence(recip
 
 
 def test_ggn_diagonal_takes_the_general_path_exactly_where_the_layers_cannot_rebuild(recipes, monkeypatch):
-    """The layer-by-layer path serves ordinary models; a layer called twice or a weight used outside its module
-    sends the call to the vmap path (shown by making that path fail), and both paths agree with dense G above."""
+    """The layer-by-layer path serves ordinary models; a layer called twice, a weight used outside its module or a
+    layer whose rows are not the examples sends the call to the vmap path (shown by making that path fail), and both paths agree with dense G above."""
     def refuse(*args):
         raise AssertionError("general path taken")
 
@@ -188,3 +203,83 @@ def test_errors(recipes):
             call()
     with pytest.raises(TypeError, match="dict"):
         r["param_hvp"](model, ce, x, TARGETS, list(v.values()))
+
+
+def test_conjugate_gradient_answers_when_its_last_iteration_reaches_tol_and_checks_its_arguments(recipes):
+    """Exact arithmetic solves an n x n system in n iterations: with max_iterations = n the residual reached tol on
+    the last one, which was never checked (a RuntimeError said tol was not reached). A tol below 0 made the target
+    (tol |b|)^2 > 0 anyway, and with -1 the first check returned x = 0."""
+    cg = recipes["conjugate_gradient"]
+    A = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
+    b = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert close(cg(lambda v: A @ v, b, max_iterations=2), torch.linalg.solve(A, b))
+    assert close(cg(lambda v: 2 * v, b, max_iterations=1), b / 2)
+    with pytest.raises(RuntimeError, match="did not reach tol=1e-10 in 1 iterations"):
+        cg(lambda v: A @ v, b, max_iterations=1)
+    for tol in (-1.0, float("nan"), "1e-10", True):
+        with pytest.raises(ValueError, match="tol must be a number >= 0"):
+            cg(lambda v: A @ v, b, tol=tol)
+    for limit in (-5, 1.5, True):
+        with pytest.raises(ValueError, match="max_iterations must be an int >= 0 or None"):
+            cg(lambda v: A @ v, b, max_iterations=limit)
+
+
+def signed_squares(o, t):
+    """A sum of per-example losses, each ||o_n - t_n||^2 signed by t_n's last entry: two copies of one example with
+    opposite signs give two losses that add up to exactly zero."""
+    return (t[:, -1] * ((o - t[:, :-1]) ** 2).sum(1)).sum()
+
+
+def test_a_sum_whose_losses_add_up_to_zero_is_told_from_a_mean_by_its_gradients(recipes):
+    """Mean or sum was read off the loss's value alone; with the examples' losses adding up to zero both fit, and
+    the mean was taken: the empirical Fisher, ggn_diagonal and influence scores came out 1/B of the right ones. The
+    loss's gradient in the outputs tells them apart."""
+    model, x = MODELS["custom forward"]
+    x = torch.cat([x[:1], x[:1]])
+    t = torch.randn(1, 4, generator=torch.Generator().manual_seed(14), dtype=torch.float64).repeat(2, 1)
+    t[:, -1] = torch.tensor([1.0, -1.0])
+    assert signed_squares(model(x), t).item() == 0
+    v, g = check_products(recipes, model, x, t, signed_squares)
+    assert close(flat(recipes["empirical_fisher_vp"](model, signed_squares, x, t, unflat(v, model))), g.T @ (g @ v))
+
+
+def test_the_reduction_comes_from_the_first_batch_that_tells_and_else_is_refused(recipes):
+    """A squared hinge met by every example of the first batch: its losses and their gradients are all zero, so it
+    cannot tell a sum from a mean, and the mean was taken (param_hvp, ggn_vp and ggn_diagonal half the right ones
+    on two batches). The next batch tells; a batch that cannot tell on its own is refused where the weight of each
+    example matters (ggn_vp and param_hvp of one batch need none)."""
+    model, x = MODELS["custom forward"]
+
+    def hinge(o, t):  # sum over the examples of the squared margins short of 10 (own class against the others)
+        own = o.gather(1, t[:, None])
+        return (torch.relu(10 - (own - o)) ** 2).scatter(1, t[:, None], 0.0).sum()
+
+    with torch.no_grad():
+        logits = model(x)
+    met = logits.argmax(1)  # targets every example meets by any margin: scaled up, by more than 10
+    scaled = Model(lambda m, x: 1e3 * m.inner(x), inner=model)
+    assert hinge(scaled(x), met).item() == 0 and hinge(scaled(x), TARGETS).item() > 0
+    data = [(x, met), (x, TARGETS)]
+    both = (torch.cat([x, x]), torch.cat([met, TARGETS]))
+    _, _, G, _ = gauss_newton(scaled, *both, loss=hinge)
+    v = torch.randn(G.shape[0], generator=torch.Generator().manual_seed(15), dtype=torch.float64)
+    assert close(flat(recipes["param_hvp"](scaled, hinge, data, None, unflat(v, scaled))),
+                 grad_rows(gradient(scaled, *both, loss=hinge) @ v, scaled)[0])
+    assert close(flat(recipes["ggn_vp"](scaled, hinge, data, None, unflat(v, scaled))), G @ v)
+    assert close(flat(recipes["ggn_diagonal"](scaled, hinge, data, None)), G.diagonal())
+    for call in (lambda: recipes["ggn_diagonal"](scaled, hinge, x, met),
+                 lambda: recipes["empirical_fisher_vp"](scaled, hinge, [(x, met)], None, unflat(v, scaled))):
+        with pytest.raises(ValueError, match="cannot tell whether loss_fn averages or sums"):  # the weight of each example
+            call()
+
+
+def test_eigenvalues_by_blocks_with_a_parameter_the_loss_does_not_reach(recipes):
+    """A trainable parameter the loss does not use (or reads under no_grad): a batched backward pass with
+    materialize_grads gave its zero product without the batch dimension, and Lanczos with k >= 2 (or block_size
+    >= 2) failed inside torch ("mat1 and mat2 shapes cannot be multiplied"). Its row and column of H are zero."""
+    model, x = MODELS["linear"]
+    model = Model(lambda m, x: m.inner(x), inner=model, unused=nn.Linear(2, 2).double())
+    H = torch.autograd.functional.hessian(lambda v: F.cross_entropy(torch.func.functional_call(model, unflat(v, model), (x,)), TARGETS),
+                                          flat({n: p.detach() for n, p in model.named_parameters()}))
+    found = recipes["top_hessian_eigenvalues"](model, F.cross_entropy, x, TARGETS, k=2)
+    assert close(found.values, torch.linalg.eigvalsh(H).flip(0)[:2], rtol=1e-8)

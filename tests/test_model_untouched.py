@@ -40,12 +40,13 @@ class WritesItsBuffers(nn.Module):
     """A forward pass that keeps a running mean of its hidden layer by hand, in place, and a backward hook that
     adds up the head's output gradients into another buffer: every call of the model changes them."""
 
-    def __init__(self):
+    def __init__(self, backward_hook=True):
         super().__init__()
         self.encode, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
         self.register_buffer("seen", torch.zeros(6))
         self.register_buffer("backward_total", torch.zeros(()))
-        self.head.register_full_backward_hook(self.count)
+        if backward_hook:
+            self.head.register_full_backward_hook(self.count)
 
     def count(self, module, grad_in, grad_out):
         with torch.no_grad():
@@ -58,9 +59,9 @@ class WritesItsBuffers(nn.Module):
         return self.head(h)
 
 
-def build(kind):
+def build(kind, backward_hook=True):
     torch.manual_seed(42)
-    model = {"buffers": WithBuffers, "recurrent": Recurrent, "writes": WritesItsBuffers}[kind]().double()
+    model = (WritesItsBuffers(backward_hook) if kind == "writes" else {"buffers": WithBuffers, "recurrent": Recurrent}[kind]()).double()
     if kind == "writes":
         model(X).sum().backward()  # the buffers and every .grad away from their initial values
     if kind == "buffers":
@@ -96,6 +97,12 @@ def fails_midway(out, t):
 def test_the_model_is_left_as_it_was(recipe, kind):
     model = build(kind)
     before = snapshot(model)
+    if kind == "writes" and recipe in CURVATURE:  # refuses a module backward hook; without it, its forward pass writes
+        with pytest.raises(ValueError, match=r"^module head has a backward hook"):
+            ALL[recipe](model, F.cross_entropy, X, T)
+        assert snapshot(model) == before
+        model = build(kind, backward_hook=False)
+        before = snapshot(model)
     ALL[recipe](model, F.cross_entropy, X, T)  # answers (a GRU too: the curvature recipes reuse the fall-backs)
     assert snapshot(model) == before
     with pytest.raises(RuntimeError, match="the loss failed on purpose"):  # fails
@@ -125,3 +132,38 @@ def test_the_snapshot_sees_each_kind_of_change():
         change(model)
         assert snapshot(model) != before
     assert set(CURVATURE) < set(ALL)
+
+
+class WritesItsWeight(nn.Module):
+    """A forward pass that clamps its first layer's weight in place (a constraint applied by hand)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.encode.weight.clamp_(-0.3, 0.3)
+        return self.head(torch.tanh(self.encode(x)).mean(1))
+
+
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_a_model_that_writes_its_parameters_is_refused(recipe):
+    """nn.Embedding(max_norm=...) renormalises the rows it looks up in place on every forward pass: a recipe changed
+    the model's weight (by up to 1.38), so it is refused before anything runs. Any other parameter written in place
+    during the call is reported after it (its values are not copied, so they are not put back)."""
+    torch.manual_seed(5)
+    embedded = nn.Sequential(nn.Embedding(10, 4, max_norm=0.5), nn.Flatten(), nn.Linear(24, 3)).double()
+    with torch.no_grad():
+        embedded[0].weight.mul_(3)  # rows longer than max_norm
+    ids = torch.randint(10, (5, 6), generator=torch.Generator().manual_seed(6))
+    before = snapshot(embedded)
+    with pytest.raises(ValueError, match=r"^module 0 \(Embedding with max_norm=0.5\) renormalises"):
+        ALL[recipe](embedded, F.cross_entropy, ids, T)
+    assert snapshot(embedded) == before
+    torch.manual_seed(7)
+    model = WritesItsWeight().double()
+    with torch.no_grad():
+        model.encode.weight.mul_(10)
+    with pytest.raises(ValueError, match=r"^parameter encode.weight was written in place during the call"):
+        ALL[recipe](model, F.cross_entropy, X, T)

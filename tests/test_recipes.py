@@ -549,6 +549,39 @@ def test_stack_models_keeps_the_stacked_mode_and_refuses_mixed_modes(recipes):
     assert close(before, torch.stack([m(x) for m in members]))
 
 
+class Tempered(nn.Module):
+    """A linear layer whose logits are divided by a temperature, a plain attribute (not a parameter or buffer)."""
+
+    def __init__(self, temperature):
+        super().__init__()
+        self.lin, self.temperature = nn.Linear(6, 3), temperature
+
+    def forward(self, x):
+        return self.lin(x) / self.temperature
+
+
+def test_stack_models_refuses_models_whose_attributes_or_hooks_differ(recipes):
+    """The ensemble runs model 0's modules with every model's parameters and buffers: models whose temperature
+    differed ran with model 0's (model 1 off by a factor of 10), a tensor attribute likewise (5.0 off), and a model
+    with a forward hook of its own ran without it (147 off). Refused, naming the module and the attribute; models
+    that agree stack as before."""
+    torch.manual_seed(8)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    members = [Tempered(1.0).double(), Tempered(1.0).double()]
+    forward, params, buffers = recipes["stack_models"](members)
+    assert close(forward(params, buffers, x), torch.stack([m(x) for m in members]))
+    members[1].temperature = 10.0
+    with pytest.raises(ValueError, match="model 1's top module differs from model 0's in its attribute 'temperature'"):
+        recipes["stack_models"](members)
+    members[1].temperature, members[1].lin.scale = 1.0, torch.ones(3)
+    with pytest.raises(ValueError, match="model 1's lin differs from model 0's in its attribute 'scale'"):
+        recipes["stack_models"](members)
+    del members[1].lin.scale
+    members[1].lin.register_forward_hook(lambda module, args, out: out * 100)
+    with pytest.raises(ValueError, match="model 1's lin differs from model 0's in its forward hooks"):
+        recipes["stack_models"](members)
+
+
 @pytest.mark.parametrize("name", ["conv1d", "conv2d", "grouped conv2d", "grouped conv1d", "GroupNorm", "buffers, eval mode"])
 @pytest.mark.parametrize("threshold", [0, 10**12])
 def test_both_ways_to_a_convolutions_per_example_weights(name, threshold, monkeypatch):

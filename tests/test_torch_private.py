@@ -232,7 +232,7 @@ def test_a_missing_api_is_named():
     renamed = by_name["torch.utils._pytree.tree_flatten"]._replace(name="torch.utils._pytree.tree_flatten_renamed")
     problem = unresolved(renamed)
     assert problem is not None and "torch.utils._pytree.tree_flatten_renamed" in problem
-    assert "_batch._as_batch, _batch._check_examples_apart" in problem  # it names the recipes that use it
+    assert "_batch._as_batch, _batch._check_parameters_reached" in problem  # it names the recipes that use it
     for name, new in [("Tensor._version", "Tensor._version_renamed"),
                       ("torch.ops.aten._softmax.default", "torch.ops.aten._softmax_renamed.default"),
                       ("torch.nn.modules.batchnorm._BatchNorm", "torch.nn.modules.batchnorm._BatchNormRenamed"),

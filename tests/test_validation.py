@@ -636,6 +636,30 @@ def test_a_parameter_with_a_gradient_hook_is_refused_by_the_curvature_recipes(re
     CURVATURE[recipe](model_and_loss(), CE, X, T)
 
 
+@pytest.mark.filterwarnings("ignore:Complex modules are a new feature")  # torch's note on .to(complex128)
+@pytest.mark.parametrize("recipe", list(CURVATURE))
+def test_a_module_backward_hook_and_a_complex_parameter_are_refused_by_the_curvature_recipes(recipe):
+    """A full backward hook halving the gradient through the Tanh leaves the loss as it is, but every product ran
+    it (param_hvp 1.4 off the dense Hessian, ggn_vp 0.8, gauss_newton_step 0.86): refused, as a gradient hook is,
+    and so is a global one. A complex parameter: the probes are real, so hessian_trace returned a complex number
+    that was the trace of the real parts' block alone."""
+    model = model_and_loss()
+    handle = model[1].register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 0.5,))
+    with pytest.raises(ValueError, match=r"^module 1 has a backward hook \(register_full_backward_hook\)"):
+        CURVATURE[recipe](model, CE, X, T)
+    handle.remove()
+    handle = nn.modules.module.register_module_full_backward_hook(lambda module, grad_in, grad_out: None)
+    try:
+        with pytest.raises(ValueError, match=r"^a global module backward hook is registered"):
+            CURVATURE[recipe](model, CE, X, T)
+    finally:
+        handle.remove()
+    CURVATURE[recipe](model, CE, X, T)
+    complex_model = nn.Linear(4, 3).to(torch.complex128)
+    with pytest.raises(ValueError, match=r"^parameter weight is complex"):
+        CURVATURE[recipe](complex_model, lambda out, t: CE(out.real, t), X.to(torch.complex128), T)
+
+
 @pytest.mark.parametrize("recipe", list(ALL))
 def test_inside_no_grad_and_inference_mode_the_answer_is_the_same(recipe):
     model = model_and_loss()
@@ -718,3 +742,42 @@ def test_a_failed_trace_is_run_once_per_call_signature(monkeypatch):
     tfr.per_sample_grads(model, CE, X[:3], T[:3])
     tfr.per_sample_grads(model.eval(), CE, X, T)
     assert len(runs) == 3
+
+
+@pytest.mark.parametrize("path", ["fast", "vmap", "loop"])
+def test_an_out_whose_memory_is_shared_is_refused_and_a_strided_one_answers(path):
+    """out= was checked for shape, dtype and device only: an expanded buffer (one row of memory for every example)
+    made vmap and the fast path raise torch's overlap error, and the loop return the last example in every row
+    (2.35 off). Out tensors sharing memory with each other or with a parameter are refused likewise; a strided view
+    with memory of its own is written."""
+    model = model_and_loss()
+    expected = tfr.per_sample_grads(model, CE, X, T, path="loop")
+    shared = {n: torch.zeros(1, *g.shape[1:], dtype=g.dtype).expand_as(g) for n, g in expected.items()}
+    with pytest.raises(ValueError, match=r"^out\['0.weight'\] has elements that share memory"):
+        tfr.per_sample_grads(model, CE, X, T, out=shared, path=path)
+    pool = torch.zeros(2 * sum(g.numel() for g in expected.values()), dtype=torch.float64)
+    aliased = {n: pool[:g.numel()].view(g.shape) for n, g in expected.items()}  # every name at the pool's start
+    with pytest.raises(ValueError, match=r"^out\['0.weight'\] shares memory with out\['0.bias'\]"):
+        tfr.per_sample_grads(model, CE, X, T, out=aliased, path=path)
+    inside_a_weight = model[0].weight.detach().view(-1)[:15].view(len(X), 3)  # 15 of 0.weight's 24 numbers
+    with pytest.raises(ValueError, match=r"^out\['2.bias'\] shares memory with parameter 0.weight"):
+        tfr.per_sample_grads(model, CE, X, T, out={**{n: torch.empty_like(g) for n, g in expected.items()}, "2.bias": inside_a_weight},
+                             path=path)
+    strided = {n: torch.zeros(*g.shape, 2, dtype=g.dtype)[..., 0] for n, g in expected.items()}
+    got = tfr.per_sample_grads(model, CE, X, T, out=strided, path=path)
+    assert all(got[n] is strided[n] and torch.allclose(got[n], expected[n], rtol=1e-12) for n in expected)
+    jacobian = tfr.output_jacobian(model, X)
+    with pytest.raises(ValueError, match="^out has elements that share memory"):
+        tfr.output_jacobian(model, X, out=torch.zeros(1, *jacobian.shape[1:], dtype=jacobian.dtype).expand_as(jacobian), path=path)
+
+
+@pytest.mark.parametrize("recipe", [name for name in ALL if name != "output_jacobian"])  # it takes no loss
+def test_a_loss_that_reads_a_parameter_is_refused(recipe):
+    """A weight-decay term inside loss_fn: functional_call swaps the parameters in the model's forward pass only, so
+    param_hvp left the term's curvature out (0.79 off the full Hessian, the top eigenvalue 2.47 for 3.47), and the
+    per-example paths disagreed (the loop counts the term, vmap and the fast path do not). Every recipe refuses it,
+    naming the parameter; a loss that reads none answers as before."""
+    model = model_and_loss()
+    with pytest.raises(ValueError, match="^loss_fn reads parameter 0.weight of the model"):
+        ALL[recipe](model, lambda out, t: CE(out, t) + 0.1 * model[0].weight.pow(2).sum(), X, T)
+    ALL[recipe](model, lambda out, t: CE(out, t) + 0.1 * out.pow(2).mean(), X, T)

@@ -81,6 +81,7 @@ scripts/build_shared.py: edit it here.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import weakref
@@ -248,7 +249,19 @@ class _Batch:
         return functional_call(model, params, self.args, self.kwargs)
 
     def loss(self, loss_fn: Callable, output: Any) -> Any:
-        return loss_fn(output) if self.targets is None else loss_fn(output, self.targets)
+        """loss_fn on the output (and targets), refused where it reads a trainable parameter of the model a recipe
+        runs on (_model_kept names them): the recipes differentiate the parameters through the forward pass (the
+        fast path from the layers' outputs, vmap from copies swapped into the model), so a penalty inside loss_fn
+        would count on the loop alone."""
+        watched = _LOSS_READS.get()
+        if watched is None or not watched[1]:
+            return loss_fn(output) if self.targets is None else loss_fn(output, self.targets)
+        uses = _FunctionUses(watched[1], anywhere=True)
+        with uses:
+            value = loss_fn(output) if self.targets is None else loss_fn(output, self.targets)
+        if uses.found:
+            raise _loss_reads_parameters([name for name, p in watched[0].named_parameters() if id(p) in uses.found])
+        return value
 
     def per_example(self, f: Callable[..., Any]) -> tuple[Callable[..., Any], tuple, tuple]:
         """(g, in_dims, leaves) such that vmap(g, in_dims=(None, *in_dims))(extra, *leaves) calls
@@ -442,26 +455,31 @@ def _call_signature(model: Any, batch: _Batch) -> tuple | None:
     return len(batch.args), tuple(batch.kwargs), tuple(parts), modes, torch.is_grad_enabled()
 
 
-def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
+def _check_examples_apart(model: nn.Module, batch: _Batch) -> str | None:
     """The per-example recipes' check that an example's output does not depend on the other examples of the
     batch (a batch statistic computed by hand, a softmax or a roll across the batch, a Python branch on the whole
     batch that another example can flip): then no example has a gradient of its own, and per-example gradients,
     norms or a clipped sum would be silently wrong (vmap and the loop see each example alone, where a batch
-    mean is the example itself). How: the model runs on the batch's first two examples together and on each
-    alone, with gradients on as on every path the recipes take (a model may branch on the grad mode, and a
-    reentrant checkpoint warns under no_grad that its gradients will be None) and autocast off (its rounding
-    differs between batch sizes: a bfloat16 Llama's outputs 3e-3 apart), and every output tensor with the two examples along dimension 0 must agree to a
+    mean is the example itself). How: the model runs on two of the batch's examples together and on each alone
+    (the first, and the first whose inputs differ from it: two equal examples agree even through a batch mean;
+    a batch of copies of one example is not checked, nor remembered), with gradients on as on every path the
+    recipes take (a model may branch on the grad mode, and a reentrant checkpoint warns under no_grad that its
+    gradients will be None) and autocast off (its rounding differs between batch sizes: a bfloat16 Llama's
+    outputs 3e-3 apart), and every output tensor with the two examples along dimension 0 must agree to a
     relative 1e-5 of its largest entry, or 16 roundings of a dtype coarser than float32 (rounding between batch
-    sizes stays far below). Cost: three forward passes of one or two examples, on every path (the fast path's
+    sizes stays far below). A model that fails on the two together but runs on each alone depends on the batch's
+    size (a tensor with a row per example passed as unbatched, which the fast path's trace would take for a
+    constant with a row per example, where vmap and the loop give every example all of it): the reason is
+    returned (else None), for the fast path to step aside. Cost: three forward passes of one or two examples, on every path (the fast path's
     trace sees each operation, but not a Python number read from a tensor: the batch's size in `h / x.shape[0]`,
     or `.tolist()`). Not run for a batch of one; nor for a model with a random module in training mode, or whose
     forward pass draws random numbers at all (F.dropout, noise by hand, from a default generator or one the model
     holds, _held_generators, or any other it passes to a torch function, _GeneratorWatch: held deeper, global: a
     pass that moved one, or drew from another, runs once more, from where it left them, and a model whose outputs
     then differ draws; one that re-seeds a generator and agrees does not), whose draws differ between the passes
-    (the passes leave every generator they drew from as they found it); nor where a forward
-    pass raises (the recipe then meets the error itself, on its own path). A model that mixes examples only beyond
-    the first two, or only through randomness, is not detected; nor is a model that draws random numbers and also
+    (the passes leave every generator they drew from as they found it); nor where a pass of one example raises
+    (the recipe then meets the error itself, on its own path). A model that mixes examples only beyond the two
+    compared, or only through randomness, is not detected; nor is a model that draws random numbers and also
     reads the batch's size (the check is left undone for it, and the trace cannot see the size). Whether the first
     pass drew is remembered too (_remembered_draws). A check passed or left undone is remembered for the model and
     the call's signature (_call_signature: shapes, dtypes, devices, non-tensor arguments, train/eval modes, grad
@@ -469,11 +487,15 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
     gradients otherwise); a model that mixes examples only for some values of its inputs or parameters, or only in
     calls after the first, is not detected either."""
     if len(batch) < 2:
-        return
+        return None
     signature = _call_signature(model, batch)
     passed = _per_model(_APART, model, set)
     if signature is not None and signature in passed or _random_modules(model):
-        return
+        return None
+    other = _first_other_example(batch)
+    if other is None:  # every example is the first one again: nothing to tell apart, and nothing remembered
+        return None
+    pair = slice(0, other + 1, other)  # examples 0 and `other`
     held = _held_generators(model)
     saved = [g.get_state() for g in held]
     watch = _GeneratorWatch()  # and the generators the first pass draws from, wherever the model keeps them
@@ -488,21 +510,32 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
                     context.enter_context(torch.autocast(device, enabled=False))
             before = _generator_states(cuda, held)
             with watch:
-                together = _detached(batch.rows(slice(0, 2)).call(model))
+                try:
+                    together = _detached(batch.rows(pair).call(model))
+                except Exception:  # noqa: BLE001 (any error, no message read): does the model run on each alone?
+                    together = None
+            if together is None:
+                for n in (0, other):
+                    batch.rows(slice(n, n + 1)).call(model)  # if one raises too, the recipe's own path meets the error
+                raise _BatchSizeRead()
             # a moved generator, or one drawn from that the states do not cover, means random draws, or a pass that
             # re-seeds a generator and is deterministic: a second pass, from where the first left the generators,
             # gives other outputs only in the first case
             drew = (_drew_random_numbers(before, cuda, held) or bool(watch.others(held))) and not _outputs_agree(
-                together, _detached(batch.rows(slice(0, 2)).call(model)))
+                together, _detached(batch.rows(pair).call(model)))
             if signature is not None:
                 _per_model(_DRAWS, model, dict)[signature] = drew
             if drew:
                 if signature is not None:
                     passed.add(signature)
-                return
-            alone = [_detached(batch.rows(slice(n, n + 1)).call(model)) for n in (0, 1)]
+                return None
+            alone = [_detached(batch.rows(slice(n, n + 1)).call(model)) for n in (0, other)]
+    except _BatchSizeRead:
+        return (f"the model runs on one example at a time and on all {len(batch)} together but not on two of them "
+                "together: its batched forward pass depends on the batch's size (a tensor with a row per example passed "
+                "as unbatched, which every example receives whole off the fast path, say), which the trace cannot see")
     except Exception:  # any error: the recipe's own path meets it and reports it (no message is read here)
-        return
+        return None
     finally:
         for generator, state in zip(held, saved):
             generator.set_state(state)
@@ -517,13 +550,68 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> None:
         scale, tolerance = joint.abs().max().item(), _tolerance(joint)
         if not torch.allclose(joint, separate, rtol=tolerance, atol=tolerance * scale):
             gap = (joint - separate).abs().max().item() / max(scale, torch.finfo(joint.dtype).tiny)
-            raise ValueError("the model's output for one example depends on the other examples of the batch (its first "
-                             f"two examples give outputs {gap:.1e} apart, relative to the largest, together and alone): "
+            pair_named = "first two examples" if other == 1 else f"examples 0 and {other}"
+            raise ValueError("the model's output for one example depends on the other examples of the batch (its "
+                             f"{pair_named} give outputs {gap:.1e} apart, relative to the largest, together and alone): "
                              "a batch statistic or an operation across the batch mixes them, or a number read from the "
                              "whole batch (its size, x.shape[0], or values by .tolist()), so no example has a gradient "
                              "of its own; compute it per example (BatchNorm: model.eval(), or GroupNorm/LayerNorm)")
     if signature is not None:
         passed.add(signature)
+    return None
+
+
+def _memory_span(t: torch.Tensor) -> tuple[Any, int, int]:
+    """(device, first byte, one past the last byte) of the memory a strided tensor's elements lie in."""
+    start = t.data_ptr()
+    extent = sum((n - 1) * abs(step) for n, step in zip(t.shape, t.stride()) if n > 0) + 1 if t.numel() else 0
+    return t.device, start, start + extent * t.element_size()
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two of t's elements may share memory (an expanded tensor, a stride of 0, as_strided views): False when
+    each dimension, by increasing stride, steps past all the smaller ones, the layout of any view that is not such."""
+    dims = sorted((abs(step), n) for n, step in zip(t.shape, t.stride()) if n > 1)
+    reach = 1
+    for step, n in dims:
+        if step < reach:
+            return True
+        reach = step * n
+    return False
+
+
+def _check_out_memory(out: dict[str, torch.Tensor], others: dict[str, torch.Tensor]) -> None:
+    """Refuses (ValueError) out= tensors that share memory, with themselves, with one another, or with the tensors in
+    others (the parameters, the inputs), each named by its key: the loop writes one example's row at a time, so an
+    expanded out came back with the last example in every row. Conservative: two views whose elements interleave
+    count as sharing."""
+    for name, t in out.items():
+        if t.numel() and _overlaps_itself(t):
+            raise ValueError(f"{name} has elements that share memory (an expanded tensor, say): each example's result "
+                             "needs a place of its own")
+    spans = [(name, _memory_span(t)) for name, t in out.items() if t.numel()]
+    spans += [(name, _memory_span(t)) for name, t in others.items() if t.numel() and t.layout == torch.strided]
+    for i, (name, (device, start, end)) in enumerate(spans[: len(out)]):
+        for other, (other_device, other_start, other_end) in spans[i + 1:]:
+            if device == other_device and start < other_end and other_start < end:
+                raise ValueError(f"{name} shares memory with {other}: out= needs memory of its own")
+
+
+class _BatchSizeRead(Exception):
+    """Raised inside _check_examples_apart: two examples together fail where each alone runs."""
+
+
+def _first_other_example(batch: _Batch) -> int | None:
+    """The index of the first example whose model inputs are not example 0's (None: every one is), so that the check
+    compares two different examples: two equal ones agree together and alone even through a batch mean."""
+    differs = None
+    for t in batch.tensors():
+        rows = (t[1:] != t[:1]).reshape(len(t) - 1, -1).any(1) if t.numel() else torch.zeros(len(t) - 1, dtype=torch.bool, device=t.device)
+        differs = rows if differs is None else differs | rows.to(differs.device)
+    if differs is None:
+        return 1
+    found = differs.nonzero()
+    return int(found[0, 0]) + 1 if len(found) else None
 
 
 def _detached(output: Any) -> list:
@@ -574,19 +662,31 @@ def _in_custom_function() -> bool:
 class _FunctionUses(TorchFunctionMode):
     """Notes the parameters (by id) that a torch function receives inside a custom Function's forward (with gradients
     off, or on a graph of its own under enable_grad), where autograd then differentiates the Function's own
-    backward (or, for a reentrant checkpoint, a recomputation), not what ran."""
+    backward (or, for a reentrant checkpoint, a recomputation), not what ran; anywhere=True: wherever they are."""
 
-    def __init__(self, params: Mapping[int, str]) -> None:
+    def __init__(self, params: Mapping[int, Any], anywhere: bool = False) -> None:
         super().__init__()
-        self.params, self.found = params, set[str]()
+        self.params, self.found, self.anywhere = params, set[Any](), anywhere
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         names = [self.params[id(leaf)] for value in (*args, *kwargs.values())
                  for leaf in (value if isinstance(value, (list, tuple)) else (value,)) if id(leaf) in self.params]
-        if names and _in_custom_function():  # the stack is walked only for a parameter's use
+        if names and (self.anywhere or _in_custom_function()):  # the stack is walked only for a parameter's use
             self.found.update(names)
         return func(*args, **kwargs)
+
+
+# The model a per-example or curvature recipe runs on and its trainable parameters, (model, {id: id}), while it
+# runs (_model_kept sets it): _Batch.loss refuses a loss_fn that reads one of them.
+_LOSS_READS: contextvars.ContextVar[tuple[Any, Mapping[int, Any]] | None] = contextvars.ContextVar("loss_reads", default=None)
+
+
+def _loss_reads_parameters(names: list[str]) -> ValueError:
+    return ValueError(f"loss_fn reads parameter {', '.join(names[:3])}{' and more' if len(names) > 3 else ''} of the "
+                      "model (a penalty such as weight decay inside the loss, say): the recipes differentiate the "
+                      "parameters through the model's forward pass only, so such a term would count on some paths "
+                      "and not others; add it to the model's forward pass, or add its gradient or curvature yourself")
 
 
 _REACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -613,6 +713,17 @@ def _hooked_parameters(model: nn.Module) -> list[str]:
     gradient from the layer's input and output gradient, and vmap from a copy of the parameter that carries no hook:
     both would leave it out."""
     return [name for name, p in model.named_parameters() if p.requires_grad and p._backward_hooks]
+
+
+def _module_backward_hook(model: nn.Module) -> str | None:
+    """Where a module backward hook (register_full_backward_hook or its pre-hook, on a module of the model or global)
+    would change the gradients autograd gives, as words ("module encoder.0 has a backward hook"); None if none is registered."""
+    for name, module in model.named_modules():
+        if module._backward_hooks or module._backward_pre_hooks:
+            return f"module {name} has a backward hook" if name else "the model has a backward hook"
+    if nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks:
+        return "a global module backward hook is registered"
+    return None
 
 
 def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = True) -> None:
@@ -697,23 +808,39 @@ def _model_kept(model: Any) -> Any:
       the ResNet of scripts/gpu_table.py, none on its GPT-2): one a forward pass or hook changed in place (a
       running statistic kept by hand, spectral_norm's power iteration in training mode) or replaced is put back.
 
+    - the parameters, which are not copied (P numbers): a model whose forward pass writes into one is refused
+      before anything runs where that is known (nn.Embedding or nn.EmbeddingBag with max_norm, which renormalises
+      the rows it looks up in place), and a parameter written in place anyway (its version moved) is reported
+      after the call (ValueError naming it; its values are not put back).
+
+    Meanwhile, _Batch.loss refuses a loss_fn that reads one of the model's trainable parameters (_LOSS_READS).
     Not put back: the model's Python attributes (a call counter), and a parameter changed through .data. An error
     raised inside is raised as it is, after all is put back."""
     params: dict[int, nn.Parameter] = {}  # one walk of the modules (named_parameters and named_buffers cost 4x more)
     buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
     for module in model.modules() if isinstance(model, nn.Module) else ():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+            name = next(n for n, m in model.named_modules() if m is module)
+            raise ValueError(f"module {name or 'the model'} ({type(module).__name__} with max_norm={module.max_norm}) "
+                             "renormalises the rows of its weight it looks up, in place, on every forward pass: a recipe "
+                             "would change the model, and the loop's examples would each see another weight; renormalise "
+                             "once beforehand (torch.embedding_renorm_) and set max_norm=None for the call")
         params.update((id(p), p) for p in module._parameters.values() if p is not None)
         buffers.extend((module, name, b) for name, b in module._buffers.items()
                        if b is not None and not isinstance(b, nn.parameter.UninitializedBuffer))
+    versions = {key: p._version for key, p in params.items() if not p.is_inference()}
     with torch.inference_mode(False), torch.no_grad():  # an inference tensor has no version, and nothing writes it here
         copies = [(b._version, b.clone()) if not b.is_inference() else (None, None) for _, _, b in buffers]
     saved = [p.grad for p in params.values()]
     for p, grad in zip(params.values(), saved):
         if grad is not None:
             p.grad = None
+    watched = (model, {key: key for key, p in params.items() if p.requires_grad}) if isinstance(model, nn.Module) else None
+    token = _LOSS_READS.set(watched)
     try:
         yield
     finally:
+        _LOSS_READS.reset(token)
         written = [p for p in params.values() if p.grad is not None]
         for p, grad in zip(params.values(), saved):
             if p.grad is not grad:
@@ -727,6 +854,12 @@ def _model_kept(model: Any) -> Any:
             with torch.inference_mode(False), torch.no_grad():
                 for b, copy in changed:
                     (b.resize_(copy.shape) if b.shape != copy.shape else b).copy_(copy)  # resized in place: put back too
+    moved = {key for key, version in versions.items() if params[key]._version != version}
+    if moved:
+        moved_names = [name for name, p in model.named_parameters() if id(p) in moved]
+        raise ValueError(f"parameter {', '.join(moved_names[:3])}{' and more' if len(moved_names) > 3 else ''} was written in place "
+                         "during the call, by the model's own code (a forward pass or a hook), and keeps what was "
+                         "written: the recipes never change a parameter, and no path's answer would be the model's")
     if written:
         written_ids = {id(p) for p in written}
         written_names = [name for name, p in model.named_parameters() if id(p) in written_ids]

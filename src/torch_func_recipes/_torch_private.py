@@ -49,7 +49,7 @@ PrivateAPI = NamedTuple("PrivateAPI", [
 _DISPATCH_ALIAS = ("the public op dispatches to it, so it is the name the fast path's TorchDispatchMode sees and must allow; "
                    "a dispatch mode sees ATen operators, never the Python-level function")
 _TRACE = ("_trace._BatchTrace",)
-_SCREEN = ("_trace._fast_path_screen",)
+_SCREEN = ("_batch._module_backward_hook",)
 
 PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch._ops", "module attribute", ("_trace._BatchTrace.__torch_dispatch__",),
@@ -62,16 +62,16 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "path's trace must check; torch.overrides.TorchFunctionMode sees Python calls before decomposition",
                None, None),
     PrivateAPI("torch.utils._pytree.tree_flatten", "import", ("_batch._Batch._leaves", "_batch._Batch.tensors", "_batch._as_batch",
-                                                               "_batch._check_examples_apart", "_batch._check_parameters_reached",
+                                                               "_batch._check_parameters_reached", "_batch._detached",
                                                                "_batch._gradients_enabled.run",
-                                                               "_trace._run_trace"),
+                                                               "_trace._run_trace", "output_jacobians._check_select_apart"),
                "flattens an operator's nested arguments and results, a batch's nested inputs and targets, and a model's "
                "nested outputs, as torch's own dispatch code and vmap do, and torch has no public pytree module",
                None, None),
     PrivateAPI("torch.utils._pytree.tree_unflatten", "import", ("_batch._Batch._rebuild", "_batch._Batch.per_example.g",
-                                                                 "_batch._gradients_enabled.run"),
+                                                                 "_batch._gradients_enabled.run", "output_jacobians._check_select_apart"),
                "rebuilds a batch's nested inputs and targets from the leaves tree_flatten gave (one example's rows, or "
-               "vmap's slices), and torch has no public pytree module",
+               "vmap's slices), and a model output from its rows, and torch has no public pytree module",
                None, None),
     PrivateAPI("torch.nn.modules.dropout._DropoutNd", "module attribute", ("_batch",),
                "the one base class of Dropout, Dropout1d/2d/3d, AlphaDropout and FeatureAlphaDropout (and third-party "
@@ -83,11 +83,12 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                None, None),
     PrivateAPI("torch.nn.modules.module._global_backward_hooks", "module attribute", _SCREEN,
                "no public API says whether a global module backward hook is registered, and the fast path, which "
-               "skips module backward hooks, must refuse when one is",
+               "skips module backward hooks, and the curvature recipes, whose products it changes, must refuse when "
+               "one is",
                None, None),
     PrivateAPI("torch.nn.modules.module._global_backward_pre_hooks", "module attribute", _SCREEN,
                "no public API says whether a global module backward pre-hook is registered, and the fast path, "
-               "which skips them, must refuse when one is",
+               "which skips them, and the curvature recipes must refuse when one is",
                None, None),
     PrivateAPI("Module._parameters", "object attribute", ("_batch._model_kept", "_trace._fast_path_screen", "_trace._owner_rules",
                                                           "per_sample._covered_linear_layers"),
@@ -133,12 +134,14 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "rule out the direct per-example product",
                None, lambda: nn.Linear(1, 1)),
     PrivateAPI("Module._backward_hooks", "object attribute", (*_SCREEN, "_batch._hooked_parameters"),
-               "no public API says whether a module has backward hooks, which the fast path would skip, nor whether a "
+               "no public API says whether a module has backward hooks, which the fast path would skip and the "
+               "curvature recipes refuse, nor whether a "
                "parameter has gradient hooks of its own (Tensor.register_hook keeps them in its _backward_hooks too), "
                "which the fast path and vmap would skip",
                None, lambda: nn.Linear(1, 1)),
     PrivateAPI("Module._backward_pre_hooks", "object attribute", _SCREEN,
-               "no public API says whether a module has backward pre-hooks, which the fast path would skip",
+               "no public API says whether a module has backward pre-hooks, which the fast path would skip and the "
+               "curvature recipes refuse",
                None, lambda: nn.Linear(1, 1)),
     PrivateAPI("RNNBase._flat_weights_names", "object attribute", ("_vmap_gaps._unrolled_forward",),
                "the names of every layer's and direction's weights in the fused kernel's order (projections and "

@@ -28,6 +28,7 @@ from ._batch import (
     _GeneratorWatch,
     _held_generators,
     _hooked_parameters,
+    _module_backward_hook,
     _per_model,
     _remembered_draws,
     _scalar_loss,
@@ -568,7 +569,8 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
     for one example depends on the other examples of the batch is refused here, as off the fast path
     (_batch._check_examples_apart, remembered per call signature): the trace sees every operation but not the
     Python numbers a forward pass reads from a tensor, such as the batch's size (`h / x.shape[0]`) or `.tolist()`
-    of its values."""
+    of its values; a model that runs on each example alone and on the batch, but not on two examples together,
+    depends on the batch's size, and the fast path steps aside (the reason returned)."""
     if path in ("vmap", "unroll", "loop"):
         return f"path={path!r} was asked for", None
     owners = _owner_rules(model, trainable, need)
@@ -579,15 +581,15 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
                           if p is trainable[name] and _rule_of(m, rules_, short) is None)
             kinds = ", ".join(r.kind for r in rules_)
             return f"parameter {name} belongs to {type(module).__name__}, not to a layer the fast path covers ({kinds})", None
-    for name, module in model.named_modules():
-        if module._backward_hooks or module._backward_pre_hooks:
-            return f"{name or 'the model'} has a backward hook", None
+    hooked_module = _module_backward_hook(model)
+    if hooked_module:
+        return hooked_module, None
     hooked = _hooked_parameters(model)
     if hooked:
         return f"parameter {hooked[0]} has a gradient hook (Tensor.register_hook), which only the loop runs", None
-    if nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks:
-        return "a global module backward hook is registered", None
-    _check_examples_apart(model, batch)
+    size_read = _check_examples_apart(model, batch)
+    if size_read:
+        return size_read, None
     return None, owners
 
 

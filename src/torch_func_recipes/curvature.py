@@ -43,7 +43,9 @@ from ._batch import (
     _graph_nodes,
     _held_generators,
     _hooked_parameters,
+    _module_backward_hook,
     _set_generator_states,
+    _tolerance,
 )
 from .output_jacobians import output_jacobian
 from .per_sample import per_sample_grads
@@ -172,16 +174,17 @@ class _Data:
     source: Any  # the iterable of batches, or None for one batch
     single: tuple[Any, Any] | None  # (inputs, targets) of one batch, or None for an iterable
     first_inputs: Any  # the first batch's inputs
+    first_targets: Any  # and targets
 
     def __init__(self, model, loss_fn, inputs, targets, params, name="inputs"):
         self.model, self.loss_fn, self.params = model, loss_fn, params
         self.device = next(iter(params.values())).device
         if isinstance(inputs, (torch.Tensor, Mapping)) or (isinstance(inputs, (tuple, list)) and not _is_batch_list(inputs, targets)):
-            self.source, self.single, self.first_inputs = None, (inputs, targets), inputs
+            self.source, self.single, self.first_inputs, self.first_targets = None, (inputs, targets), inputs, targets
             self.sizes = [_check_tensor_batch(inputs, targets)]
             if self.sizes[0] == 0:
                 raise ValueError("the batch is empty: a loss over no examples has no curvature")
-            self.size, self.weights = self.sizes[0], [1.0]
+            self.size, self.weights, self.mean = self.sizes[0], [1.0], None
             return
         if not isinstance(inputs, Iterable):
             raise TypeError(f"{name} must be a tensor (one batch) or an iterable of (inputs, targets) batches "
@@ -194,14 +197,16 @@ class _Data:
                             "once per product: pass a DataLoader, a list of (inputs, targets) batches, or another "
                             "iterable that can be read again")
         self.source, self.single, self.sizes = inputs, None, []
-        for x, _ in self._read():
-            if not self.sizes:  # the first batch's inputs, kept for _trainable's check
-                self.first_inputs = x
+        for x, t in self._read():
+            if not self.sizes:  # the first batch, kept for _trainable's checks
+                self.first_inputs, self.first_targets = x, t
             self.sizes.append(len(x))
         self.size = sum(self.sizes)
         if self.size == 0:
             raise ValueError(f"{name} holds no examples: a loss over no examples has no curvature")
-        self.weights = [b / self.size for b in self.sizes] if self._mean() else [1.0] * len(self.sizes)
+        # one batch: c = 1 whatever the reduction, and its own losses give its w where needed (example_weight)
+        self.mean = self._mean() if len(self.sizes) > 1 else None
+        self.weights = [b / self.size for b in self.sizes] if self.mean else [1.0] * len(self.sizes)
 
     def _read(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for k, item in enumerate(self.source):
@@ -212,18 +217,30 @@ class _Data:
                 yield x.to(self.device), t.to(self.device)
 
     def _mean(self):
-        """Whether loss_fn averages over the examples (else it sums), from a batch of two or more examples (the first
-        two examples of the data put together when every batch has one); N = 1: either."""
+        """Whether loss_fn averages over the examples (else it sums), from the first batch of two or more examples
+        that tells (_loss_weight; examples of batches of one are put together in pairs); N = 1: either."""
         if self.size == 1:
             return False
-        batches = iter(self._read())
-        x, t = next(batches)
-        if len(x) == 1:
-            x2, t2 = next(batches)
-            x, t = torch.cat([x, x2[:1]]), torch.cat([t, t2[:1]])
-        with torch.no_grad(), _no_random_draws(self.device, _held_generators(self.model)):
-            outputs = functional_call(self.model, self.params, (x,))
-        return _loss_weight(self.loss_fn, outputs, t) != 1.0
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for x, t in self._read():
+            if len(x) == 1:  # two batches of one make a batch of two
+                pending.append((x, t))
+                if len(pending) < 2:
+                    continue
+                x, t = torch.cat([pending[0][0], pending[1][0]]), torch.cat([pending[0][1], pending[1][1]])
+                pending = []
+            with torch.no_grad(), _no_random_draws(self.device, _held_generators(self.model)):
+                outputs = functional_call(self.model, self.params, (x,))
+            weight = _loss_weight(self.loss_fn, outputs, t, decide=False)
+            if weight is not None:
+                return weight != 1.0
+        raise ValueError("cannot tell whether loss_fn averages or sums over the examples: on every batch of the data "
+                         "their losses add up to zero and their gradients in the model's outputs are zero")
+
+    def example_weight(self, batch: int) -> float | None:
+        """w of one batch of an iterable, loss_fn(batch) = w * the sum of its examples' losses, as the first pass
+        found it for every batch (1/batch for a mean, 1 for a sum); None for data of one batch (its own losses tell)."""
+        return None if self.mean is None else 1 / batch if self.mean else 1.0
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
         if self.single is not None:
@@ -242,8 +259,8 @@ class _Data:
 
 def _trainable(model, loss_fn, inputs, targets, name="inputs"):
     """The curvature recipes' one check of the model and the data (the package's validator, with random modules in
-    training mode and parameters with a gradient hook refused): returns the parameters that require grad ({name: detached tensor}, in
-    named_parameters() order) and the data as a _Data."""
+    training mode, parameters with a gradient hook, module backward hooks and complex parameters refused): returns
+    the parameters that require grad ({name: detached tensor}, in named_parameters() order) and the data as a _Data."""
     trainable = _check_model(model, deterministic=True)
     hooked = _hooked_parameters(model)
     if hooked:  # param_hvp's products ignored it, empirical_fisher_vp's (by the loop) and gauss_newton_step's gradient ran it
@@ -251,9 +268,22 @@ def _trainable(model, loss_fn, inputs, targets, name="inputs"):
                          "autograd gives, not the loss, whose curvature these recipes measure, and some of their products "
                          "would run it and others not; remove it for the call (its handle's .remove()), or freeze the "
                          "parameter (requires_grad_(False))")
+    hooked_module = _module_backward_hook(model)
+    if hooked_module:  # likewise: every product ran it, on gradients it changes (param_hvp 1.4 off, ggn_vp 0.8)
+        raise ValueError(f"{hooked_module} (register_full_backward_hook): it changes the gradients autograd gives, not "
+                         "the loss, whose curvature these recipes measure; remove it for the call (its handle's .remove())")
+    complex_ = [name for name, p in trainable.items() if p.is_complex()]
+    if complex_:  # hessian_trace returned a complex number: real probes see only part of the real 2P x 2P Hessian
+        raise ValueError(f"parameter {complex_[0]} is complex: the curvature recipes take real parameters (split it into "
+                         "its real and imaginary parts, torch.view_as_real, to measure the curvature in both)")
     params = {name: p.detach() for name, p in trainable.items()}
     data = _Data(model, loss_fn, inputs, targets, params, name)
     _check_parameters_reached(model, _as_batch(data.first_inputs))  # a reentrant checkpoint: its blocks get no curvature
+    if len(data.first_inputs):  # a penalty inside loss_fn (weight decay): functional_call swaps the parameters in the
+        # model's forward pass only, so its curvature was left out (param_hvp 0.79 off); _Batch.loss refuses it
+        with torch.no_grad(), _no_random_draws(data.device, _held_generators(model)):
+            first = _as_batch(data.first_inputs[:1], data.first_targets[:1])
+            first.loss(loss_fn, first.call(model))
     return params, data
 
 
@@ -339,6 +369,9 @@ def _hvp_operator(model, loss_fn, inputs, targets, params):
             return dict(zip(params, products_of(vs, False)))
         try:  # the S vectors in one batched backward pass
             products = products_of(vs, True)
+            # materialize_grads gives a parameter the products do not reach (unused, or read under no_grad) its zero
+            # without the batch dimension (torch 2.13): one zero per vector
+            products = tuple(p.expand_as(v).clone() if p.shape == v.shape[1:] else p for p, v in zip(products, vs))
         except Exception:  # a backward formula that cannot be batched (GroupNorm's, torch 2.13): one vector at a time,
             # whatever the error (no message is read); the graph is kept (retain_graph), so the products are the same
             rows = [products_of([v[s] for v in vs], False) for s in range(len(vs[0]))]
@@ -526,20 +559,59 @@ def _per_example_gradients(model, loss_fn, data, params, max_memory):
                   "the model is too large for this budget")
     rows, held = int(max_memory // (2 * P * first.dtype.itemsize)), _held_generators(model)
     for x, t, c in data:
-        weight = _example_weight(model, loss_fn, x, t, params)
+        weight = data.example_weight(len(x))
+        if weight is None:
+            weight = _example_weight(model, loss_fn, x, t, params)
         for start in range(0, len(x), rows):
             with _no_random_draws(x.device, held):  # its pass, with gradients on, is checked too
                 grads = per_sample_grads(model, lambda out, t: _scalar(loss_fn(out, t)), x[start:start + rows], t[start:start + rows])
             yield c, weight, grads
 
 
-def _loss_weight(loss_fn, outputs, targets):
-    """w such that loss_fn(outputs, targets) = w * sum_n loss_fn(outputs[n:n+1], targets[n:n+1]); else an error."""
+def _loss_weight(loss_fn, outputs, targets, decide=True):
+    """w such that loss_fn(outputs, targets) = w * sum_n loss_fn(outputs[n:n+1], targets[n:n+1]) (1/B for a mean,
+    1 for a sum); else an error. Told by the values, or, where the examples' losses add up to about zero (a hinge
+    loss met by every example, losses of both signs) and both weights fit, by the loss's gradient in the outputs,
+    which must be w times each example's own. Where that vanishes too: an error, or None with decide=False (the
+    caller tries another batch)."""
+    B, tolerance = len(outputs), 1e-5
     batch_loss = _scalar(loss_fn(outputs, targets))
-    each = vmap(lambda o, t: _scalar(loss_fn(o[None], t[None])))(outputs, targets)
-    for weight in (1 / len(outputs), 1.0):
-        if torch.allclose(batch_loss, weight * each.sum(), rtol=1e-5, atol=0):
-            return weight
+    one = lambda o, t: _scalar(loss_fn(o[None], t[None]))  # noqa: E731
+    each = vmap(one)(outputs, targets)
+    if not (torch.isfinite(each).all() and torch.isfinite(batch_loss)):
+        bad = int((~torch.isfinite(each)).nonzero()[0, 0]) if not torch.isfinite(each).all() else None
+        raise ValueError("loss_fn must be a mean or a sum of per-example losses (like reduction='mean' or 'sum'), but "
+                         + (f"example {bad}'s own loss is {each[bad].item()} (a target the loss ignores, ignore_index, "
+                            "makes a mean over no entries)" if bad is not None else f"its value is {batch_loss.item()}"))
+    total, size = each.sum(), each.abs().sum()
+    fits = [w for w in (1 / B, 1.0) if torch.allclose(batch_loss, w * total, rtol=tolerance, atol=tolerance * size.item())]
+    if len(fits) == 1 or B == 1:
+        return fits[0] if fits else _not_a_mean_or_sum(batch_loss, each)
+    if not fits:
+        _not_a_mean_or_sum(batch_loss, each)
+    with torch.enable_grad():  # both fit: the values cannot tell, the gradients in the outputs can
+        o = outputs.detach().requires_grad_(True)
+        batch_gradient = torch.autograd.grad(_scalar(loss_fn(o, targets)), o, allow_unused=True, materialize_grads=True)[0]
+        try:
+            own = vmap(grad(one))(outputs.detach(), targets)
+        except Exception:  # a loss vmap cannot batch (whatever the error; no message is read): one example at a time
+            own = torch.cat([torch.autograd.grad(_scalar(loss_fn(o[n:n + 1], targets[n:n + 1])), o, allow_unused=True,
+                                                 materialize_grads=True)[0][n:n + 1] for n in range(B)])
+    scale = own.abs().max().item()
+    if scale > 0:
+        for w in (1 / B, 1.0):
+            if torch.allclose(batch_gradient, w * own, rtol=tolerance, atol=tolerance * scale):
+                return w
+        raise ValueError("loss_fn must be a mean or a sum of per-example losses (like reduction='mean' or 'sum'), but its "
+                         "gradient in the outputs is neither the mean's nor the sum's of the examples' own")
+    if decide:
+        raise ValueError("cannot tell whether loss_fn averages or sums over the examples from this batch: their losses "
+                         "add up to zero and their gradients in the model's outputs are zero; pass a batch where they "
+                         "are not, or an iterable of batches")
+    return None
+
+
+def _not_a_mean_or_sum(batch_loss, each):
     raise ValueError(f"loss_fn must be a mean or a sum of per-example losses (like reduction='mean' or 'sum'), but its "
                      f"value {batch_loss.item():.6g} is neither the mean {each.mean().item():.6g} nor the sum "
                      f"{each.sum().item():.6g} of the examples' losses")
@@ -559,11 +631,12 @@ def _cross_entropy_reduction(loss_fn, outputs, targets):
     return reduction if ok and reduction in ("mean", "sum") else None
 
 
-def _output_hessian_factors(loss_fn, outputs, targets):
+def _output_hessian_factors(loss_fn, outputs, targets, weight=None):
     """lam (Y, B) and cotangents (Y, B, *output) with w * H_n = sum_k lam[k, n] u u^T, u = cotangents[k, n]: each
     example's (weighted) loss Hessian in its Y outputs. For plain cross-entropy the closed form
     H_n = diag(p) - p p^T = S S^T with S = diag(sqrt p) - p sqrt(p)^T (p: the softmax); for any other loss,
-    Y double-backward passes in one batch, then eigh."""
+    Y double-backward passes in one batch, then eigh. weight: w where the caller knows it (a batch of an
+    iterable), else _loss_weight finds it from this batch."""
     reduction = _cross_entropy_reduction(loss_fn, outputs, targets)
     if reduction is not None:
         p = torch.softmax(outputs, dim=1)  # (B, C)
@@ -571,7 +644,8 @@ def _output_hessian_factors(loss_fn, outputs, targets):
         S = torch.diag_embed(root) - p[:, :, None] * root[:, None, :]  # (B, C, C), column k is the k-th factor
         weight = 1 / len(outputs) if reduction == "mean" else 1.0
         return torch.full((outputs.shape[1], len(outputs)), weight, dtype=p.dtype, device=p.device), S.permute(2, 0, 1)
-    weight = _loss_weight(loss_fn, outputs, targets)  # also checks the loss is a mean or sum over examples
+    if weight is None:  # a batch of an iterable comes with the weight its first pass found
+        weight = _loss_weight(loss_fn, outputs, targets)  # also checks the loss is a mean or sum over examples
     B, Y = len(outputs), outputs[0].numel()
     o = outputs.detach().requires_grad_(True)
     with torch.enable_grad():
@@ -635,14 +709,15 @@ def ggn_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs:
     if data.single is not None:  # one batch: its answer as it is (no copy of the N x P shares)
         inputs, targets = data.single
         return _ggn_diagonal_of_batch(model, loss_fn, inputs, targets, params, per_sample, max_memory)
-    parts = [{n: c * share for n, share in _ggn_diagonal_of_batch(model, loss_fn, x, t, params, per_sample, max_memory).items()}
+    parts = [{n: c * share for n, share in _ggn_diagonal_of_batch(model, loss_fn, x, t, params, per_sample, max_memory,
+                                                                   data.example_weight(len(x))).items()}
              for x, t, c in data]
     if per_sample:
         return {n: torch.cat([part[n] for part in parts]) for n in params}
     return {n: torch.stack([part[n] for part in parts]).sum(dim=0) for n in params}
 
 
-def _ggn_diagonal_of_batch(model, loss_fn, inputs, targets, params, per_sample, max_memory):
+def _ggn_diagonal_of_batch(model, loss_fn, inputs, targets, params, per_sample, max_memory, weight=None):
     owners = {}  # parameter name -> (the module holding it, its name there)
     for module_name, module in model.named_modules():
         for local, p in module.named_parameters(recurse=False):
@@ -663,23 +738,38 @@ def _ggn_diagonal_of_batch(model, loss_fn, inputs, targets, params, per_sample, 
     def loop():
         return torch.cat([functional_call(model, params, (inputs[n:n + 1],)) for n in range(len(inputs))])
 
+    def one(x):  # an example alone, and each module's input as that example's call gave it (the per-layer path's check)
+        seen: dict[int, list] = {id(m): [] for m in modules}
+        handles = [m.register_forward_hook(lambda m, args, out: seen[id(m)].append(args[0] if args else None)) for m in modules]
+        try:
+            out = functional_call(model, params, (x[None],))[0]
+        finally:
+            for handle in handles:
+                handle.remove()
+        own = [s[0] if len(s) == 1 and isinstance(s[0], torch.Tensor) else None for s in seen.values()]
+        single[:] = [t is not None for t in own]
+        return out, tuple(out.new_zeros(()) if t is None else t for t in own)
+
+    single: list[bool] = []
+    own_inputs = None  # {id(module): (B, *its input for one example)}, where vmap ran
     with torch.no_grad(), _no_random_draws(inputs.device, _held_generators(model)):
         if any(isinstance(m, nn.RNNBase) for m in modules):
             alone = loop()
         else:
             try:
-                alone = vmap(lambda x: functional_call(model, params, (x[None],))[0])(inputs)
+                alone, captured = vmap(one)(inputs)
+                own_inputs = {id(m): c for m, c, ok in zip(modules, captured, single) if ok}
             except Exception:
                 alone = loop()
-    scale = outputs.detach().abs().max().item()
-    if not torch.allclose(alone, outputs.detach(), rtol=1e-5, atol=1e-5 * scale):
+    scale, tolerance = outputs.detach().abs().max().item(), _tolerance(outputs)
+    if not torch.allclose(alone, outputs.detach(), rtol=tolerance, atol=tolerance * scale):
         raise ValueError("the model mixes the examples of a batch (its outputs for an example alone differ from its "
                          "outputs in the batch), so the Gauss-Newton matrix has no per-example diagonal shares")
-    lam, cotangents = _output_hessian_factors(loss_fn, outputs.detach(), targets)
+    lam, cotangents = _output_hessian_factors(loss_fn, outputs.detach(), targets, weight)
     B, Y, dtype = len(inputs), len(lam), outputs.dtype
     P = sum(p.numel() for p in params.values())
     if all(len(c) == 1 and len(c[0][0]) == 1 and isinstance(c[0][0][0], torch.Tensor) and isinstance(c[0][1], torch.Tensor)
-           and c[0][0][0].shape[:1] == (B,) == c[0][1].shape[:1] for c in calls.values()):
+           and c[0][0][0].shape[:1] == (B,) == c[0][1].shape[:1] for c in calls.values()) and _rows_are_examples(calls, own_inputs):
         activations = sum(c[0][1].numel() for c in calls.values())
         recurrent = any(isinstance(m, nn.RNNBase) for m in modules)  # no vmap of a recurrent module alone: general path
         others = sum(p.numel() for name, p in params.items() if type(owners[name][0]) is not nn.Linear)
@@ -694,6 +784,28 @@ def _ggn_diagonal_of_batch(model, loss_fn, inputs, targets, params, per_sample, 
     chunk = int(min(B, max_memory // (2 * Y * P * dtype.itemsize)))
     shares = _ggn_diagonal_by_vmap(model, params, inputs, lam, cotangents, chunk)
     return shares if per_sample else {name: s.sum(dim=0) for name, s in shares.items()}
+
+
+def _rows_are_examples(calls, own_inputs):
+    """Whether row n of every module's input in the batch's forward pass is example n's input to it, as it is with
+    the example alone (own_inputs, from vmap: (B, 1, ...) per module; None where vmap did not run): the per-layer
+    path squares each row's gradient as one example's. A layer that takes its rows in another order, a
+    sequence-first layer with as many positions as examples (T, B, d), say, fails the check by shape or by value,
+    and its model takes the general path."""
+    if own_inputs is None:
+        return False
+    for key, ((args, _),) in calls.items():
+        a, own = args[0].detach(), own_inputs.get(key)
+        if own is None or own.dim() != a.dim() + 1 or own.shape[1] != 1 or own.shape[:1] + own.shape[2:] != a.shape:
+            return False
+        if not a.is_floating_point() or a.numel() == 0:
+            if not torch.equal(own[:, 0], a):
+                return False
+            continue
+        tolerance = _tolerance(a)
+        if not torch.allclose(own[:, 0], a, rtol=tolerance, atol=tolerance * a.abs().max().item()):
+            return False
+    return True
 
 
 def _ggn_diagonal_by_layers(outputs, leaves, owners, modules, calls, lam, cotangents, per_sample):
@@ -1092,7 +1204,7 @@ def conjugate_gradient(matvec: Callable[[torch.Tensor], torch.Tensor], b: torch.
     Args:
         matvec (Callable): ``x -> A x`` on flat vectors.
         b (Tensor): the right-hand side, a flat vector.
-        tol (float): stop at a relative residual ``|b - A x| <= tol |b|``.
+        tol (float): stop at a relative residual ``|b - A x| <= tol |b|`` (a number >= 0).
         max_iterations (int, optional): at most this many iterations (default, and when 0: ten times the
             length of b, since rounding can slow convergence past the length that exact arithmetic needs).
 
@@ -1117,6 +1229,11 @@ def conjugate_gradient(matvec: Callable[[torch.Tensor], torch.Tensor], b: torch.
             ...
         ValueError: conjugate gradients met non-positive curvature ...
     """
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
+        raise ValueError(f"tol must be a number >= 0, got {tol!r}")
+    if max_iterations is not None and (isinstance(max_iterations, bool) or not isinstance(max_iterations, numbers.Integral)
+                                       or max_iterations < 0):
+        raise ValueError(f"max_iterations must be an int >= 0 or None, got {max_iterations!r}")
     x, r, p = torch.zeros_like(b), b.clone(), b.clone()
     rr, target, limit = torch.dot(b, b), (tol * b.norm()) ** 2, max_iterations or 10 * b.numel()
     for _ in range(limit):
@@ -1131,6 +1248,8 @@ def conjugate_gradient(matvec: Callable[[torch.Tensor], torch.Tensor], b: torch.
         x, r = x + step * p, r - step * ap
         rr, rr_old = torch.dot(r, r), rr
         p = r + (rr / rr_old) * p
+    if rr <= target:  # reached by the last iteration
+        return x
     raise RuntimeError(f"conjugate gradients did not reach tol={tol} in {limit} iterations")
 
 

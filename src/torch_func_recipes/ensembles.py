@@ -10,6 +10,29 @@ import torch.nn as nn
 from torch.func import functional_call, stack_module_state, vmap
 
 
+def _state_difference(mine: nn.Module, theirs: nn.Module) -> str | None:
+    """What else than parameters, buffers and submodules differs between two modules: their hooks, or an attribute
+    of their own (a temperature, a tensor that is not a buffer, a forward method set on the instance), as words;
+    None if nothing does."""
+    def same(a: object, b: object) -> bool:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                    and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b)))
+        try:
+            return a is b or bool(a == b)
+        except Exception:  # noqa: BLE001 (a comparison that does not give one bool: an array, say)
+            return False
+
+    for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+        if list(getattr(mine, hooks).values()) != list(getattr(theirs, hooks).values()):
+            return f"its {hooks.strip('_').replace('_', ' ')}"
+    internals = vars(nn.Module())  # _parameters, _buffers, _modules, training, the hook dicts, ...
+    for key in sorted((vars(mine).keys() | vars(theirs).keys()) - internals.keys()):
+        if key not in vars(mine) or key not in vars(theirs) or not same(vars(mine)[key], vars(theirs)[key]):
+            return f"its attribute {key!r}"
+    return None
+
+
 def stack_models(models: Iterable[nn.Module]) -> tuple[Callable[..., torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     r"""Stack M models of one architecture into one vmapped function.
 
@@ -17,7 +40,8 @@ def stack_models(models: Iterable[nn.Module]) -> tuple[Callable[..., torch.Tenso
     ensemble: it keeps the mode the models had when stacked.
 
     Args:
-        models (iterable of nn.Module): M models of one class, structure, dtype, device and mode, each
+        models (iterable of nn.Module): M models of one class, structure, dtype, device and mode, with the
+            same attributes and hooks (model 0's modules run with every model's parameters and buffers), each
             taking one tensor input.
 
     Returns:
@@ -55,6 +79,12 @@ def stack_models(models: Iterable[nn.Module]) -> tuple[Callable[..., torch.Tenso
             if tensor.shape != first[name].shape or tensor.dtype != first[name].dtype or tensor.device != first[name].device:
                 raise ValueError(f"model {index}'s {name} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}, "
                                  f"model 0's is {tuple(first[name].shape)} {first[name].dtype} on {first[name].device}")
+        for (where, mine), theirs in zip(model.named_modules(), models[0].modules()):
+            difference = _state_difference(mine, theirs)
+            if difference:
+                raise ValueError(f"model {index}'s {where or 'top module'} differs from model 0's in {difference}: the "
+                                 "ensemble runs model 0's modules (their attributes and hooks) with each model's "
+                                 "parameters and buffers, so the rest must agree")
     params, buffers = stack_module_state(models)
     # The template: a copy of model 0 whose tensors live on the meta device (no data). Passing the
     # replacements through deepcopy's memo keeps tied weights tied; functional_call swaps the

@@ -9,8 +9,23 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.func import jacrev, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._batch import _as_batch, _check_chunk_size, _check_model, _Inputs, _model_kept, _Unbatched
+from ._batch import (
+    _as_batch,
+    _check_chunk_size,
+    _check_model,
+    _check_out_memory,
+    _cuda_devices,
+    _first_other_example,
+    _held_generators,
+    _Inputs,
+    _model_kept,
+    _random_modules,
+    _remembered_draws,
+    _tolerance,
+    _Unbatched,
+)
 from ._layers import _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
 from ._trace import PathReport, _check_path, _fast_path_screen, _traced_forward
 from ._vmap_gaps import _with_fallbacks
@@ -63,7 +78,7 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
     _check_path(path)
     size = len(batch)
     total = sum(p.numel() for p in trainable.values())
-    select = select or (lambda output: output)
+    select = select or _identity
     forward = lambda *args, **kwargs: select(model(*args, **kwargs))  # noqa: E731
     with torch.inference_mode(False), torch.enable_grad(), _model_kept(model):
         batch = batch.usable_outside_inference_mode()
@@ -78,6 +93,8 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
             result = _result_buffer(out, 0, output.shape[1], total, output, trainable)
             return (result, PathReport("none", "the batch is empty")) if report else result
         step = chunk_size or size
+        if select is not _identity:
+            _check_select_apart(model, select, batch)
         reason, owners = _fast_path_screen(model, trainable, "jacobian", path, batch)
         if reason is None:
             start = 0
@@ -96,6 +113,48 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
         run_loop = lambda: _loop_jacobian(forward, trainable, batch, out, total)
         result, report_ = _with_fallbacks(model, batch, path, run_vmap, run_loop, reason)  # vmap, the unroll, or the loop
         return (result, report_) if report else result
+
+
+def _identity(output):
+    return output
+
+
+def _check_select_apart(model, select, batch):
+    """Refuses (ValueError) a select that mixes the examples' outputs (`out - out.mean(0)`): the model's output for
+    two different examples (the first, and the first that differs from it), selected together and row by row, must
+    agree, as _batch._check_examples_apart asks of the model. vmap and the loop select each example's output alone
+    (zero here), the fast path the batch's. Left undone for a model that draws random numbers, and where the
+    model's output has no tensor with the two examples along dimension 0 or select raises on a row (the recipe's
+    path then meets the error)."""
+    other = _first_other_example(batch) if len(batch) > 1 else None
+    if other is None or _random_modules(model) or _remembered_draws(model, batch):
+        return
+    held = _held_generators(model)
+    saved = [g.get_state() for g in held]
+    try:
+        with torch.random.fork_rng(devices=_cuda_devices(model, batch)):
+            output = batch.rows(slice(0, other + 1, other)).call(model)
+    finally:
+        for generator, state in zip(held, saved):
+            generator.set_state(state)
+    leaves, spec = tree_flatten(output)
+    if not any(isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == 2 for t in leaves):
+        return
+    try:
+        together = select(output)
+        alone = [select(tree_unflatten([t[n:n + 1] if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == 2 else t
+                                        for t in leaves], spec)) for n in (0, 1)]
+    except Exception:  # noqa: BLE001 (any error: the recipe's own path meets it; no message is read)
+        return
+    if not (isinstance(together, torch.Tensor) and together.dim() >= 1 and together.shape[0] == 2 and together.is_floating_point()
+            and all(isinstance(a, torch.Tensor) and a.shape == (1, *together.shape[1:]) for a in alone)):
+        return
+    joint, separate = together.detach(), torch.cat(alone).detach()
+    scale, tolerance = joint.abs().max().item(), _tolerance(joint)
+    if not torch.allclose(joint, separate, rtol=tolerance, atol=tolerance * scale):
+        raise ValueError("select mixes the examples: on the model's outputs for two examples it gives other rows together "
+                         "than for each alone (a mean or another operation across dimension 0), so no example's selected "
+                         "output has a Jacobian of its own; select each example's rows on their own")
 
 
 def _loop_jacobian(forward, trainable, batch, out, total):
@@ -128,6 +187,7 @@ def _result_buffer(out, batch, n_out, total, like, trainable):
         return like.new_empty((batch, n_out, total), dtype=dtype)
     if out.shape != (batch, n_out, total) or out.dtype != dtype or out.device != like.device:
         raise ValueError(f"out must be a {dtype} tensor of shape {(batch, n_out, total)} on {like.device}")
+    _check_out_memory({"out": out}, {f"parameter {n}": p for n, p in trainable.items()})
     return out
 
 

@@ -20,6 +20,7 @@ from ._batch import (
     _as_batch,
     _check_chunk_size,
     _check_model,
+    _check_out_memory,
     _clip_factors,
     _cuda_devices,
     _drew_random_numbers,
@@ -113,6 +114,9 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             given = out.get(name)
             if given is None or given.shape != (size, *p.shape) or given.dtype != p.dtype or given.device != p.device:
                 raise ValueError(f"out[{name!r}] must be a {p.dtype} tensor of shape {(size, *p.shape)} on {p.device}")
+        _check_out_memory({f"out[{name!r}]": out[name] for name in trainable},
+                          {**{f"parameter {n}": p for n, p in trainable.items()},
+                           **{f"input {k}": t for k, t in enumerate(batch.tensors())}})
     with torch.inference_mode(False), torch.enable_grad(), _model_kept(model):
         batch = batch.usable_outside_inference_mode()
         if size == 0:
