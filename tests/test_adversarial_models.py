@@ -821,3 +821,24 @@ def test_a_select_that_mixes_the_examples_is_refused(recipes, path):
         recipes["output_jacobian"](model, X, select=lambda o: o - o.mean(0), path=path)
     picked = recipes["output_jacobian"](model, X, select=lambda o: o[:, :2] * 2, path=path)
     assert close(picked, 2 * loop_output_jacobian(model, X)[:, :2])
+
+
+def test_an_output_that_depends_on_no_parameter_has_a_zero_jacobian_on_every_path(recipes):
+    """select=lambda o: o.detach() (or a model whose output uses no parameter): vmap gave zeros, the loop raised
+    torch's "element 0 of tensors does not require grad"; the loop now gives zeros too, and auto takes vmap."""
+    model = net(lambda m, x: m.b(torch.tanh(m.a(x)))).double()
+    P = sum(p.numel() for p in model.parameters())
+    for path in ("auto", "vmap", "loop"):
+        assert torch.equal(recipes["output_jacobian"](model, X, select=lambda o: o.detach(), path=path), torch.zeros(len(X), 3, P, dtype=torch.float64))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # cummax's backward under vmap: torch's fallback
+def test_a_trace_that_failed_for_one_select_is_not_remembered_for_another(recipes):
+    """A failed trace is remembered per model and call signature; output_jacobian's select was not part of it, so one
+    call with a select the trace refuses cost every later call its fast path, and path="fast" then refused naming an
+    operation the call never ran."""
+    model = net(lambda m, x: m.b(torch.tanh(m.a(x)))).double()
+    J, report = recipes["output_jacobian"](model, X, select=lambda o: o.cummax(1).values, report=True)
+    assert report.path != "fast" and "cummax" in report.reason
+    J, report = recipes["output_jacobian"](model, X, path="fast", report=True)
+    assert report.path == "fast" and close(J, loop_output_jacobian(model, X))

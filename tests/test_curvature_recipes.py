@@ -283,3 +283,34 @@ def test_eigenvalues_by_blocks_with_a_parameter_the_loss_does_not_reach(recipes)
                                           flat({n: p.detach() for n, p in model.named_parameters()}))
     found = recipes["top_hessian_eigenvalues"](model, F.cross_entropy, x, TARGETS, k=2)
     assert close(found.values, torch.linalg.eigvalsh(H).flip(0)[:2], rtol=1e-8)
+
+
+def test_a_tuple_output_and_a_shuffled_loader_are_refused_where_they_would_fail_or_mislead(recipes):
+    """The recipes that work in the outputs' space failed inside torch or Python on a model returning a tuple or a
+    dict ("zeros_like(): argument 'input' must be Tensor, not tuple", "KeyError: None"); they say what they need,
+    while param_hvp, which needs only the loss, answers. A DataLoader with shuffle=True gave influence scores in the
+    last pass's order (1.45 off the data's order): refused where the answer has a row per example."""
+    model, x = MODELS["linear"]
+    pair = Model(lambda m, x: (m.inner(x), None), inner=model)
+    first = lambda out, t: F.cross_entropy(out[0], t)  # noqa: E731
+    v = {n: torch.ones_like(p) for n, p in pair.named_parameters()}
+    calls = {"ggn_vp": lambda: recipes["ggn_vp"](pair, first, x, TARGETS, v),
+             "empirical_fisher_vp": lambda: recipes["empirical_fisher_vp"](pair, first, x, TARGETS, v),
+             "ggn_diagonal": lambda: recipes["ggn_diagonal"](pair, first, x, TARGETS),
+             "gauss_newton_step": lambda: recipes["gauss_newton_step"](pair, first, x, TARGETS, damping=1.0),
+             "influence_scores": lambda: recipes["influence_scores"](pair, first, x, TARGETS, x, TARGETS, damping=1.0)}
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"^{name} needs a model whose output is one tensor, .* returns a tuple"):
+            call()
+    plain = {n: torch.ones_like(p) for n, p in model.named_parameters()}
+    assert close(flat(recipes["param_hvp"](pair, first, x, TARGETS, v)), flat(recipes["param_hvp"](model, F.cross_entropy, x, TARGETS, plain)))
+    data = torch.utils.data.TensorDataset(x, TARGETS)
+    shuffled = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
+    with pytest.raises(ValueError, match="draws them in a random order"):
+        recipes["influence_scores"](model, F.cross_entropy, shuffled, None, x, TARGETS, damping=1.0)
+    with pytest.raises(ValueError, match="draws them in a random order"):
+        recipes["ggn_diagonal"](model, F.cross_entropy, shuffled, None, per_sample=True)
+    in_order = torch.utils.data.DataLoader(data, batch_size=2)
+    assert close(recipes["influence_scores"](model, F.cross_entropy, in_order, None, x, TARGETS, damping=1.0),
+                 recipes["influence_scores"](model, F.cross_entropy, x, TARGETS, x, TARGETS, damping=1.0))
+    assert close(flat(recipes["ggn_diagonal"](model, F.cross_entropy, shuffled, None)), flat(recipes["ggn_diagonal"](model, F.cross_entropy, x, TARGETS)))

@@ -103,6 +103,8 @@ def test_pairwise_jacobian_hvp(recipes):
     m = torch.randn(3, 4, generator=g, dtype=torch.float64)
     assert close(recipes["jacobian_via_vjp"](f, m), torch.autograd.functional.jacobian(f, m))
     assert close(recipes["jacobian_via_vjp"](f, m, chunk_size=2), torch.autograd.functional.jacobian(f, m))
+    for empty, at in ((lambda m: f(m)[:0], m), (lambda m: f(m), m[:, :0])):  # no output entries: jacrev's empty shape
+        assert recipes["jacobian_via_vjp"](empty, at).shape == torch.func.jacrev(empty)(at).shape
     scalar = lambda m: torch.logsumexp(f(m), dim=0)
     v = torch.randn(3, 4, generator=g, dtype=torch.float64)
     hessian = torch.autograd.functional.hessian(scalar, m).reshape(12, 12)
@@ -601,3 +603,21 @@ def test_both_ways_to_a_convolutions_per_example_weights(name, threshold, monkey
     norms, report = tfr.per_sample_grad_norms(model, F.cross_entropy, x, TARGETS, report=True)
     assert report.path == "fast" and close(norms, torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1))
     assert "0.weight" in report.direct, report  # the first convolution's weight took one of the two direct ways
+
+
+def test_small_recipes_take_a_generator_token_ids_and_say_what_is_wrong(recipes):
+    """named_like_parameters read a generator twice (its check used it up: "the tuple has 0 tensors") and called a
+    None gradient a dict; stack_models met lazy modules with load_state_dict's message; empirical_ntk refused a
+    (B,) batch of token ids, which output_jacobian takes."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)).double()
+    grads = torch.autograd.grad(model(torch.ones(1, 3, dtype=torch.float64)).sum(), tuple(model.parameters()))
+    named = recipes["named_like_parameters"](model, (g for g in grads))
+    assert list(named) == [n for n, _ in model.named_parameters()] and all(named[n] is g for n, g in zip(named, grads))
+    with pytest.raises(TypeError, match="entry 0 is None .*allow_unused=True, materialize_grads=True"):
+        recipes["named_like_parameters"](model, (None, *grads[1:]))
+    with pytest.raises(ValueError, match="model 0 has lazy parameters not yet initialised"):
+        recipes["stack_models"]([nn.LazyLinear(2), nn.LazyLinear(2)])
+    embedded = nn.Sequential(nn.Embedding(7, 3), nn.Linear(3, 2)).double()
+    ids = torch.tensor([1, 4, 4, 6])
+    J = recipes["output_jacobian"](embedded, ids)
+    assert close(recipes["empirical_ntk"](embedded, ids, ids[:2]), torch.einsum("aip,bjp->abij", J, J[:2]))

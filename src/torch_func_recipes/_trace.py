@@ -600,18 +600,19 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
 _FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _traced_forward(model, batch, trainable, need="grads", owners=None, memo=None):
+def _traced_forward(model, batch, trainable, need="grads", owners=None, memo=None, variant=None):
     """Runs the model (or a function calling it) on a _Batch under the trace. Returns (output, layers, None)
     or (None, None, reason). need: what the caller asks of the layer rules ("grads", "jacobian", "norms");
     owners: from _owner_rules on the model. A trace that failed for this model and call signature before is
     not run again: its reason is returned at once. memo: the model whose memory that is kept in (default: model;
-    output_jacobian passes its model, where `model` is a new function of it on every call). For a model known to
+    output_jacobian passes its model, where `model` is a new function of it on every call); variant: what else
+    the traced function depends on (output_jacobian's select: a failure with one select is not another's). For a model known to
     draw random numbers (_batch._remembered_draws), a trace that fails or raises leaves every generator it drew
     from as it found it (the default ones, those the model holds, any other it passed to a torch function)."""
     memo = model if memo is None else memo
     failed = _per_model(_FAILED, memo, dict)
     signature = _call_signature(memo, batch)  # shapes, dtypes, devices, other arguments, modes, grad mode
-    key = None if signature is None else (need, tuple(trainable), signature)
+    key = None if signature is None else (need, tuple(trainable), signature, variant)
     if key is not None and key in failed:
         return None, None, failed[key]
     if not (isinstance(memo, nn.Module) and _remembered_draws(memo, batch)):

@@ -257,7 +257,7 @@ class _Data:
                              "one: the curvature recipes need the same data on every pass")
 
 
-def _trainable(model, loss_fn, inputs, targets, name="inputs"):
+def _trainable(model, loss_fn, inputs, targets, name="inputs", tensor_output=None):
     """The curvature recipes' one check of the model and the data (the package's validator, with random modules in
     training mode, parameters with a gradient hook, module backward hooks and complex parameters refused): returns
     the parameters that require grad ({name: detached tensor}, in named_parameters() order) and the data as a _Data."""
@@ -283,8 +283,26 @@ def _trainable(model, loss_fn, inputs, targets, name="inputs"):
         # model's forward pass only, so its curvature was left out (param_hvp 0.79 off); _Batch.loss refuses it
         with torch.no_grad(), _no_random_draws(data.device, _held_generators(model)):
             first = _as_batch(data.first_inputs[:1], data.first_targets[:1])
-            first.loss(loss_fn, first.call(model))
+            output = first.call(model)
+            first.loss(loss_fn, output)
+        if tensor_output and not isinstance(output, torch.Tensor):  # the recipes that work in the outputs' space
+            raise ValueError(f"{tensor_output} needs a model whose output is one tensor, the one loss_fn takes, but this "
+                             f"one returns a {type(output).__name__}: wrap it in a module whose forward returns that tensor "
+                             "(out.logits, say)")
     return params, data
+
+
+def _check_order_kept(source, what):
+    """Refuses (ValueError) a DataLoader that draws its examples in a random order (shuffle=True, or another random
+    sampler) where the answer has a row per example: each pass over the data has its own order, and the rows came
+    in the last pass's, which the caller cannot know."""
+    if isinstance(source, torch.utils.data.DataLoader):
+        sampler = getattr(source.batch_sampler, "sampler", source.sampler)
+        if isinstance(sampler, (torch.utils.data.RandomSampler, torch.utils.data.SubsetRandomSampler,
+                                torch.utils.data.WeightedRandomSampler)):
+            raise ValueError(f"{what} returns its rows in the order the data gives the examples, but this DataLoader "
+                             f"draws them in a random order ({type(sampler).__name__}), another on every pass over it: "
+                             "pass one with shuffle=False")
 
 
 def _scalar(loss):
@@ -460,7 +478,7 @@ def ggn_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, 
         >>> torch.allclose(Gv["weight"], (H @ v.flatten()).view(2, 3))  # G = H: the model is linear in its weight
         True
     """
-    params, data = _trainable(model, loss_fn, inputs, targets)
+    params, data = _trainable(model, loss_fn, inputs, targets, tensor_output="ggn_vp")
     vector = _check_vector(vector, params)
     total = None
     for x, t, c in data:
@@ -537,7 +555,7 @@ def empirical_fisher_vp(model: nn.Module, loss_fn: Callable[..., torch.Tensor], 
         >>> torch.allclose(Fv["weight"], (g.T @ g @ v.flatten() / 8).view(2, 3))  # F = (1/B) sum_n g_n g_n^T for a mean loss
         True
     """
-    params, data = _trainable(model, loss_fn, inputs, targets)
+    params, data = _trainable(model, loss_fn, inputs, targets, tensor_output="empirical_fisher_vp")
     vector = _check_vector(vector, params)
     total = None
     for c, weight, g in _per_example_gradients(model, loss_fn, data, params, max_memory):
@@ -699,11 +717,12 @@ def ggn_diagonal(model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs:
         >>> torch.allclose(shares["weight"].sum(0), H.diagonal().view(2, 3))  # G = H: the model is linear in its weight
         True
     """
-    params, data = _trainable(model, loss_fn, inputs, targets)
+    params, data = _trainable(model, loss_fn, inputs, targets, tensor_output="ggn_diagonal")
     _check_max_memory(max_memory)
     first = next(iter(params.values()))
     P = sum(p.numel() for p in params.values())
     if per_sample:
+        _check_order_kept(inputs, "ggn_diagonal with per_sample=True, a row per example,")
         _refuse_above(max_memory, data.size * P, first.dtype, f"the per-example shares, N x P = {data.size:,} x {P:,} numbers",
                       "use per_sample=False, or fewer examples")
     if data.single is not None:  # one batch: its answer as it is (no copy of the N x P shares)
@@ -1166,7 +1185,7 @@ def gauss_newton_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], in
     """
     if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or damping <= 0:
         raise ValueError(f"damping must be a positive number, got {damping!r}")
-    params, data = _trainable(model, loss_fn, inputs, targets)
+    params, data = _trainable(model, loss_fn, inputs, targets, tensor_output="gauss_newton_step")
     _check_max_memory(max_memory)
     P = sum(p.numel() for p in params.values())
     jacobians, residuals, hessians = [], [], []
@@ -1295,7 +1314,8 @@ def influence_scores(model: nn.Module, loss_fn: Callable[..., torch.Tensor], tra
     """
     if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or damping < 0:
         raise ValueError(f"damping must be a non-negative number, got {damping!r}")
-    params, train = _trainable(model, loss_fn, train_inputs, train_targets, "train_inputs")
+    params, train = _trainable(model, loss_fn, train_inputs, train_targets, "train_inputs", tensor_output="influence_scores")
+    _check_order_kept(train_inputs, "influence_scores, a score per training example,")
     _, test = _trainable(model, loss_fn, test_inputs, test_targets, "test_inputs")
     _check_max_memory(max_memory)
     sizes = [p.numel() for p in params.values()]

@@ -67,6 +67,10 @@ def stack_models(models: Iterable[nn.Module]) -> tuple[Callable[..., torch.Tenso
     models = list(models)
     if not models or not all(isinstance(m, nn.Module) for m in models):
         raise ValueError("stack_models needs a non-empty list of nn.Module")
+    for index, model in enumerate(models):
+        if any(nn.parameter.is_lazy(t) for t in (*model.parameters(), *model.buffers())):
+            raise ValueError(f"model {index} has lazy parameters not yet initialised (nn.LazyLinear, say): run each "
+                             "model once on an input first")
     first = dict(models[0].named_parameters()) | dict(models[0].named_buffers())
     modes = [m.training for m in models[0].modules()]
     for index, model in enumerate(models[1:], start=1):

@@ -40,10 +40,15 @@ def named_like_parameters(model: nn.Module, tensors: Sequence[torch.Tensor]) -> 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"named_like_parameters needs an nn.Module, got {type(model).__name__}")
-    if isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors):
+    if isinstance(tensors, dict):
         raise TypeError("named_like_parameters needs a tuple or list of tensors (a dict is already named)")
+    tensors = list(tensors)  # once: a generator is read here
+    odd = next((k for k, t in enumerate(tensors) if not isinstance(t, torch.Tensor)), None)
+    if odd is not None:
+        raise TypeError(f"named_like_parameters needs a tuple or list of tensors, but entry {odd} is "
+                        + ("None (torch.autograd.grad gives None for a parameter the output does not use: pass "
+                           "allow_unused=True, materialize_grads=True for zeros)" if tensors[odd] is None else type(tensors[odd]).__name__))
     named = list(model.named_parameters())
-    tensors = list(tensors)
     if len(tensors) != len(named):
         raise ValueError(f"the model has {len(named)} parameters, the tuple has {len(tensors)} tensors")
     for (name, p), t in zip(named, tensors):

@@ -100,7 +100,9 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
             start = 0
             while start < size and reason is None:
                 rows = slice(start, start + step)
-                out, reason = _fast_jacobian_chunk(forward, model, trainable, batch.rows(rows), out, rows, size, total, owners)
+                # a failed trace is remembered per select (by id: a false match costs the fast path, never correctness)
+                out, reason = _fast_jacobian_chunk(forward, model, trainable, batch.rows(rows), out, rows, size, total, owners,
+                                                   None if select is _identity else id(select))
                 start += step
             if reason is None:
                 assert out is not None  # written by the first chunk
@@ -164,6 +166,9 @@ def _loop_jacobian(forward, trainable, batch, out, total):
         output = batch.example(n).call(forward)
         _output_rows(output, 1)
         out = _result_buffer(out, len(batch), output.shape[1], total, output, trainable)
+        if not output.requires_grad:  # it depends on no parameter: its rows are zero
+            out[n].zero_()
+            continue
         for j in range(output.shape[1]):
             grads = torch.autograd.grad(output[0, j], params, retain_graph=True, allow_unused=True)
             torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)], out=out[n, j])
@@ -191,8 +196,8 @@ def _result_buffer(out, batch, n_out, total, like, trainable):
     return out
 
 
-def _fast_jacobian_chunk(forward, model, trainable, part, out, rows, batch, total, owners):
-    output, layers, reason = _traced_forward(forward, part, trainable, "jacobian", owners, memo=model)
+def _fast_jacobian_chunk(forward, model, trainable, part, out, rows, batch, total, owners, variant=None):
+    output, layers, reason = _traced_forward(forward, part, trainable, "jacobian", owners, memo=model, variant=variant)
     if reason is not None:
         return out, reason
     _output_rows(output, len(part))
@@ -206,6 +211,9 @@ def _fast_jacobian_chunk(forward, model, trainable, part, out, rows, batch, tota
     # the Y basis cotangents, each spread over the whole chunk: one batched backward pass gives every delta
     basis = torch.eye(n_out, dtype=output.dtype, device=output.device)[:, None, :].expand(n_out, len(part), n_out)
     zs = [layer["z"] for layer in layers]
+    if not output.requires_grad:  # an output that depends on no parameter (detached by select, say): J = 0
+        block.zero_()
+        return out, None
 
     def backward(v):  # a layer output the model's output does not depend on gets zeros (vmap returns tensors only)
         grads = torch.autograd.grad(output, zs, v, retain_graph=True, allow_unused=True)
@@ -310,7 +318,7 @@ def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor) -> torch
         True
     """
     for name, x in (("x1", x1), ("x2", x2)):
-        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:  # (B,) token ids are a batch too
             raise ValueError(f"{name} must be a batch of inputs (a tensor with a batch dimension first), "
                              f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     j1, j2 = output_jacobian(model, x1), output_jacobian(model, x2)

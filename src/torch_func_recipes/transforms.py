@@ -75,6 +75,8 @@ def jacobian_via_vjp(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
     if y.is_complex():
         raise TypeError("f returned a complex tensor; this recipe handles real functions only")
     n = y.numel()
+    if n == 0:  # no output entries, no rows to pull back: jacrev's shape, empty
+        return y.new_zeros((*y.shape, *x.shape))
     step = n if chunk_size is None else int(chunk_size)
     rows = []
     for start in range(0, n, step):
