@@ -605,10 +605,9 @@ def test_both_ways_to_a_convolutions_per_example_weights(name, threshold, monkey
     assert "0.weight" in report.direct, report  # the first convolution's weight took one of the two direct ways
 
 
-def test_small_recipes_take_a_generator_token_ids_and_say_what_is_wrong(recipes):
+def test_small_recipes_take_a_generator_and_say_what_is_wrong(recipes):
     """named_like_parameters read a generator twice (its check used it up: "the tuple has 0 tensors") and called a
-    None gradient a dict; stack_models met lazy modules with load_state_dict's message; empirical_ntk refused a
-    (B,) batch of token ids, which output_jacobian takes."""
+    None gradient a dict; stack_models met lazy modules with load_state_dict's message."""
     model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)).double()
     grads = torch.autograd.grad(model(torch.ones(1, 3, dtype=torch.float64)).sum(), tuple(model.parameters()))
     named = recipes["named_like_parameters"](model, (g for g in grads))
@@ -617,7 +616,3 @@ def test_small_recipes_take_a_generator_token_ids_and_say_what_is_wrong(recipes)
         recipes["named_like_parameters"](model, (None, *grads[1:]))
     with pytest.raises(ValueError, match="model 0 has lazy parameters not yet initialised"):
         recipes["stack_models"]([nn.LazyLinear(2), nn.LazyLinear(2)])
-    embedded = nn.Sequential(nn.Embedding(7, 3), nn.Linear(3, 2)).double()
-    ids = torch.tensor([1, 4, 4, 6])
-    J = recipes["output_jacobian"](embedded, ids)
-    assert close(recipes["empirical_ntk"](embedded, ids, ids[:2]), torch.einsum("aip,bjp->abij", J, J[:2]))
