@@ -513,11 +513,9 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> str | None:
                 try:
                     together = _detached(batch.rows(pair).call(model))
                 except Exception:  # noqa: BLE001 (any error, no message read): does the model run on each alone?
-                    together = None
-            if together is None:
-                for n in (0, other):
-                    batch.rows(slice(n, n + 1)).call(model)  # if one raises too, the recipe's own path meets the error
-                raise _BatchSizeRead()
+                    for n in (0, other):
+                        batch.rows(slice(n, n + 1)).call(model)  # if one raises too, the recipe's own path meets it
+                    raise _BatchSizeRead() from None
             # a moved generator, or one drawn from that the states do not cover, means random draws, or a pass that
             # re-seeds a generator and is deterministic: a second pass, from where the first left the generators,
             # gives other outputs only in the first case

@@ -21,9 +21,9 @@ from ._batch import (
     _held_generators,
     _Inputs,
     _model_kept,
+    _outputs_agree,
     _random_modules,
     _remembered_draws,
-    _tolerance,
     _Unbatched,
 )
 from ._layers import _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
@@ -80,6 +80,9 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
     total = sum(p.numel() for p in trainable.values())
     select = select or _identity
     forward = lambda *args, **kwargs: select(model(*args, **kwargs))  # noqa: E731
+    if isinstance(out, torch.Tensor):  # its shape, dtype and device are checked once Y is known (_result_buffer)
+        _check_out_memory({"out": out}, {**{f"parameter {n}": p for n, p in trainable.items()},
+                                         **{f"input {k}": t for k, t in enumerate(batch.tensors())}})
     with torch.inference_mode(False), torch.enable_grad(), _model_kept(model):
         batch = batch.usable_outside_inference_mode()
         if size == 0:
@@ -151,9 +154,7 @@ def _check_select_apart(model, select, batch):
     if not (isinstance(together, torch.Tensor) and together.dim() >= 1 and together.shape[0] == 2 and together.is_floating_point()
             and all(isinstance(a, torch.Tensor) and a.shape == (1, *together.shape[1:]) for a in alone)):
         return
-    joint, separate = together.detach(), torch.cat(alone).detach()
-    scale, tolerance = joint.abs().max().item(), _tolerance(joint)
-    if not torch.allclose(joint, separate, rtol=tolerance, atol=tolerance * scale):
+    if not _outputs_agree([together.detach()], [torch.cat(alone).detach()]):
         raise ValueError("select mixes the examples: on the model's outputs for two examples it gives other rows together "
                          "than for each alone (a mean or another operation across dimension 0), so no example's selected "
                          "output has a Jacobian of its own; select each example's rows on their own")
@@ -192,7 +193,6 @@ def _result_buffer(out, batch, n_out, total, like, trainable):
         return like.new_empty((batch, n_out, total), dtype=dtype)
     if out.shape != (batch, n_out, total) or out.dtype != dtype or out.device != like.device:
         raise ValueError(f"out must be a {dtype} tensor of shape {(batch, n_out, total)} on {like.device}")
-    _check_out_memory({"out": out}, {f"parameter {n}": p for n, p in trainable.items()})
     return out
 
 
