@@ -823,6 +823,23 @@ def test_a_select_that_mixes_the_examples_is_refused(recipes, path):
     assert close(picked, 2 * loop_output_jacobian(model, X)[:, :2])
 
 
+def test_the_select_check_runs_once_per_select_and_call_signature(recipes):
+    """The select check cost one forward pass of two examples on every output_jacobian call with a select. It is now
+    remembered for the same select function, model and call signature (a loop over batches pays it once), not for
+    a new function (a lambda made in the call), and a mixing select is refused on every call."""
+    sizes = []
+    model = net(lambda m, x: (sizes.append(len(x)), m.b(torch.tanh(m.a(x))))[1]).double()
+    first_two = lambda o: o[:, :2]  # noqa: E731
+    for _ in range(3):
+        recipes["output_jacobian"](model, X, select=first_two)
+    assert sizes.count(2) == 2  # the model's check of examples apart, and the select's, once each
+    recipes["output_jacobian"](model, X, select=lambda o: o[:, :2])
+    assert sizes.count(2) == 3  # another function: checked again
+    for _ in range(2):
+        with pytest.raises(ValueError, match="^select mixes the examples"):
+            recipes["output_jacobian"](model, X, select=lambda o: o - o.mean(0))
+
+
 def test_an_output_that_depends_on_no_parameter_has_a_zero_jacobian_on_every_path(recipes):
     """select=lambda o: o.detach() (or a model whose output uses no parameter): vmap gave zeros, the loop raised
     torch's "element 0 of tensors does not require grad"; the loop now gives zeros too, and auto takes vmap."""

@@ -724,6 +724,30 @@ def test_the_examples_apart_check_is_remembered_per_call_signature(recipe):
         PER_EXAMPLE[recipe](model.eval(), CE, (X, False), T)  # another mode: checked again
 
 
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+def test_a_model_that_reads_the_batch_size_but_agrees_at_two_examples_keeps_off_the_fast_path(recipe):
+    """h / max(x.shape[0], 2): one example and two agree, so the check of examples apart passes, and the trace cannot
+    see a Python number; the fast path gave the batch of five's rows (each example's share divided by 5, not 2),
+    where vmap and the loop see each example alone. Its traced first row is now compared with the first example
+    alone: auto steps aside to vmap and equals the loop, path="fast" refuses, once per call signature (a second call
+    runs no trace)."""
+    torch.manual_seed(39)
+    layers = nn.ModuleList([nn.Linear(4, 6), nn.Linear(6, 3)]).double()
+    reader = type("ReadsTheSize", (nn.Module,), {"forward": lambda self, x: layers[1](torch.tanh(layers[0](x)) / max(x.shape[0], 2))})()
+    reader.layers = layers
+    expected = flat(PER_EXAMPLE[recipe](reader, CE, X, T, path="loop"))
+    for _ in range(2):
+        result, report = PER_EXAMPLE[recipe](reader, CE, X, T, report=True)
+        assert torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
+        assert report.path == "vmap" and "reads a number from the whole batch" in report.reason
+    with pytest.raises(ValueError, match="the fast path does not apply: the first example's output in the batch of 5 differs"):
+        PER_EXAMPLE[recipe](reader, CE, X, T, path="fast")
+    plain = type("Plain", (nn.Module,), {"forward": lambda self, x: layers[1](torch.tanh(layers[0](x)) / 2)})()
+    plain.layers = layers
+    result, report = PER_EXAMPLE[recipe](plain, CE, X, T, report=True)
+    assert report.path == "fast" and torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
+
+
 def test_a_failed_trace_is_run_once_per_call_signature(monkeypatch):
     """The trace of a model the fast path refuses (an in-place ReLU on a recorded output) runs once for a call
     signature, not once a step, and again for another signature (another batch size, another mode); the

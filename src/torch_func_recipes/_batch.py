@@ -470,8 +470,10 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> str | None:
     sizes stays far below). A model that fails on the two together but runs on each alone depends on the batch's
     size (a tensor with a row per example passed as unbatched, which the fast path's trace would take for a
     constant with a row per example, where vmap and the loop give every example all of it): the reason is
-    returned (else None), for the fast path to step aside. Cost: three forward passes of one or two examples, on every path (the fast path's
-    trace sees each operation, but not a Python number read from a tensor: the batch's size in `h / x.shape[0]`,
+    returned (else None), for the fast path to step aside; one that reads the size but agrees at two examples
+    (`max(x.shape[0], 2)`) is caught by the fast path's own comparison of its first row (_trace._first_row_alone).
+    Cost: three forward passes of one or two examples, on every path (the fast path's trace sees each operation,
+    but not a Python number read from a tensor: the batch's size in `h / x.shape[0]`,
     or `.tolist()`). Not run for a batch of one; nor for a model with a random module in training mode, or whose
     forward pass draws random numbers at all (F.dropout, noise by hand, from a default generator or one the model
     holds, _held_generators, or any other it passes to a torch function, _GeneratorWatch: held deeper, global: a
@@ -622,9 +624,9 @@ def _tolerance(output: torch.Tensor) -> float:
     return max(1e-5, 16 * torch.finfo(output.dtype).eps)
 
 
-def _outputs_agree(first: list, second: list) -> bool:
-    """Whether two passes' flattened outputs agree: floating tensors to _tolerance, relative to the largest entry,
-    other tensors exactly (what is not a tensor is not compared)."""
+def _outputs_agree(first: list, second: list, tolerance: float = 0.0) -> bool:
+    """Whether two passes' flattened outputs agree: floating tensors to _tolerance (or the tolerance given, where
+    larger), relative to the largest entry, other tensors exactly (what is not a tensor is not compared)."""
     if len(first) != len(second):
         return False
     for a, b in zip(first, second):
@@ -635,9 +637,9 @@ def _outputs_agree(first: list, second: list) -> bool:
                 if not torch.equal(a, b):
                     return False
                 continue
-            tolerance = _tolerance(a)
+            within = max(tolerance, _tolerance(a))
             scale = a.abs().max().item() if a.numel() else 0.0
-            if not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale, equal_nan=True):
+            if not torch.allclose(a, b, rtol=within, atol=within * scale, equal_nan=True):
                 return False
     return True
 

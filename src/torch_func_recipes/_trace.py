@@ -24,11 +24,14 @@ from ._batch import (
     _call_signature,
     _check_examples_apart,
     _cuda_devices,
+    _detached,
+    _drew_random_numbers,
     _generator_states,
     _GeneratorWatch,
     _held_generators,
     _hooked_parameters,
     _module_backward_hook,
+    _outputs_agree,
     _per_model,
     _remembered_draws,
     _scalar_loss,
@@ -630,9 +633,62 @@ def _traced_forward(model, batch, trainable, need="grads", owners=None, memo=Non
             if reason is not None:
                 _set_generator_states(before, cuda, held)
                 watch.restore(held)
+    if reason is None:
+        reason = _first_row_alone(model, memo, batch, output, key)
+        if reason is not None:
+            output = layers = None
     if reason is not None and key is not None:
         failed[key] = reason
     return output, layers, reason
+
+
+# Call signatures whose traced output was compared with the first example's alone (_first_row_alone), per model:
+# {model: {key}}; a model that is freed takes its entry with it.
+_ROW_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _first_row_alone(model, memo, batch, output, key):
+    """None, or the reason the fast path steps aside: the traced output's first row must agree with the first
+    example's output alone (_batch._outputs_agree, output tensors with a row per example of the batch). The trace
+    sees every operation, but not a Python number the forward pass reads from a tensor: a model that divides by
+    max(x.shape[0], 2) agrees between one and two examples (_batch._check_examples_apart) and gave the batch's
+    rows where vmap and the loop, which see each example alone, give the example's own. Cost: one forward pass of
+    one example, once per model, call signature and select (key, as for _FAILED: a chunk of another size is checked
+    again), in the caller's autocast (then to 16 roundings of its dtype at least), with gradients on. Left undone, and remembered, where the pass of one example
+    raises (the recipe's other paths meet the error) or draws random numbers (it cannot be compared); the
+    generators are left as they were found (as in _batch._check_examples_apart)."""
+    checked = _per_model(_ROW_CHECKED, memo, set)
+    if len(batch) < 2 or key is not None and key in checked:
+        return None
+    module = memo if isinstance(memo, nn.Module) else None
+    cuda, held = (_cuda_devices(module, batch), _held_generators(module)) if module is not None else ([], [])
+    before, watch = _generator_states(cuda, held), _GeneratorWatch()
+    alone, drew = None, False
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=cuda), watch:
+            alone = _detached(batch.rows(slice(0, 1)).call(model))
+            drew = _drew_random_numbers(before, cuda, held) or bool(watch.others(held))
+    except Exception:  # noqa: BLE001 (any error, no message read: the recipe's other paths meet it)
+        alone = None
+    finally:
+        for generator, state in zip(held, before[1 + len(cuda):]):
+            generator.set_state(state)
+        watch.restore(held)
+    together = _detached(output)
+    # under autocast, low-precision kernels round differently between batch sizes (a bfloat16 Llama's logits, upcast
+    # to float32, 3e-3 apart between one example and two): 16 roundings of the autocast dtype, as for its own outputs
+    low = [torch.get_autocast_dtype(d) for d in {t.device.type for t in batch.tensors()} | {"cpu"} if torch.is_autocast_enabled(d)]
+    slack = max((16 * torch.finfo(dtype).eps for dtype in low), default=0.0)
+    if alone is not None and not drew and len(alone) == len(together):
+        pairs = [(t[:1], a) for t, a in zip(together, alone) if isinstance(t, torch.Tensor) and isinstance(a, torch.Tensor)
+                 and t.dim() >= 1 and t.shape[0] == len(batch) and a.shape == (1, *t.shape[1:])]
+        if pairs and not _outputs_agree([t for t, _ in pairs], [a for _, a in pairs], slack):
+            return (f"the first example's output in the batch of {len(batch)} differs from its output alone, though two "
+                    "examples agree: the forward pass reads a number from the whole batch (its size, say) that the trace "
+                    "cannot see")
+    if key is not None:
+        checked.add(key)
+    return None
 
 
 def _run_trace(model, batch, trainable, need, owners):

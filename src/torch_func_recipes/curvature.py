@@ -649,6 +649,13 @@ def _cross_entropy_reduction(loss_fn, outputs, targets):
     return reduction if ok and reduction in ("mean", "sum") else None
 
 
+def _working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the recipes' small dense linear algebra (eigh, qr, solve) for tensors of `dtype`: float32 for
+    float16 and bfloat16, which torch's linear algebra does not take ("linalg_eigh_cpu" not implemented for
+    'BFloat16'), the dtype itself otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _output_hessian_factors(loss_fn, outputs, targets, weight=None):
     """lam (Y, B) and cotangents (Y, B, *output) with w * H_n = sum_k lam[k, n] u u^T, u = cotangents[k, n]: each
     example's (weighted) loss Hessian in its Y outputs. For plain cross-entropy the closed form
@@ -674,8 +681,9 @@ def _output_hessian_factors(loss_fn, outputs, targets, weight=None):
             return torch.zeros(Y, B, dtype=o.dtype, device=o.device), torch.zeros(Y, *o.shape, dtype=o.dtype, device=o.device)
         units = torch.eye(Y, dtype=o.dtype, device=o.device).reshape(Y, 1, *o.shape[1:]).expand(Y, *o.shape)
         columns = torch.autograd.grad(loss_gradient, o, units, is_grads_batched=True, materialize_grads=True)[0]
-    lam, U = torch.linalg.eigh(columns.reshape(Y, B, Y).permute(1, 2, 0))  # (B, Y), (B, Y, Y): w H_n = U diag(lam) U^T
-    return lam.T, U.permute(2, 0, 1).reshape(Y, *o.shape)
+    # (B, Y), (B, Y, Y): w H_n = U diag(lam) U^T, in float32 for a half-precision model's outputs
+    lam, U = torch.linalg.eigh(columns.reshape(Y, B, Y).permute(1, 2, 0).to(_working_dtype(o.dtype)))
+    return lam.T.to(o.dtype), U.permute(2, 0, 1).reshape(Y, *o.shape).to(o.dtype)
 
 
 @_gradients_enabled
@@ -1097,8 +1105,9 @@ def top_hessian_eigenvalues(model: nn.Module, loss_fn: Callable[..., torch.Tenso
         max_memory (float): bytes the basis may hold (default 2 GiB); above it, refused up front.
 
     Returns:
-        :class:`Eigenpairs` ``(values, residuals, vectors)``. Memory: the basis, ``iterations x P`` numbers, plus
-        ``2 (block_size + k)`` P-vectors and one batch's gradient graph.
+        :class:`Eigenpairs` ``(values, residuals, vectors)``, in the parameters' dtype. Memory: the basis,
+        ``iterations x P`` numbers (float32 for a float16 or bfloat16 model, whose products it holds in float32:
+        torch's eigh and qr take neither), plus ``2 (block_size + k)`` P-vectors and one batch's gradient graph.
 
     Example::
 
@@ -1128,20 +1137,25 @@ def top_hessian_eigenvalues(model: nn.Module, loss_fn: Callable[..., torch.Tenso
                          f"parameters ({total}), got {steps!r}")
     _check_max_memory(max_memory)
     first = next(iter(params.values()))
-    _refuse_above(max_memory, (int(steps) + 2 * (block + k)) * total, first.dtype,
+    work = _working_dtype(first.dtype)  # the basis and T: float32 for a half-precision model
+    _refuse_above(max_memory, (int(steps) + 2 * (block + k)) * total, work,
                   f"a basis of {int(steps)} vectors of P = {total:,} numbers", "use fewer iterations")
     hvp = _data_hvp(model, loss_fn, data, params)
     sizes = [p.numel() for p in params.values()]
 
     def matvec(rows):  # (b, P) flat vectors -> (b, P) products, in one batched backward pass (a plain one for b = 1)
+        return products(rows.to(first.dtype)).to(work)
+
+    def products(rows):
         if len(rows) == 1:
             pieces = {n: piece.view(p.shape) for (n, p), piece in zip(params.items(), rows[0].split(sizes))}
             return torch.cat([t.reshape(-1) for t in hvp(pieces).values()])[None]
         pieces = {n: piece.reshape(len(rows), *p.shape) for (n, p), piece in zip(params.items(), rows.split(sizes, dim=1))}
         return torch.cat([t.reshape(len(rows), -1) for t in hvp(pieces, batched=True).values()], dim=1)
 
-    values, vectors, residuals = _block_lanczos(matvec, total, int(k), int(block), int(steps), first.dtype, first.device,
+    values, vectors, residuals = _block_lanczos(matvec, total, int(k), int(block), int(steps), work, first.device,
                                                 generator)
+    values, vectors, residuals = values.to(first.dtype), vectors.to(first.dtype), residuals.to(first.dtype)
     named = None
     if eigenvectors:
         named = {n: piece.reshape(int(k), *p.shape) for (n, p), piece in zip(params.items(), vectors.split(sizes, dim=1))}
@@ -1211,7 +1225,8 @@ def gauss_newton_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], in
     jacobian, residual = (jacobians[0], residuals[0]) if one else (torch.cat(jacobians), torch.cat(residuals))
     output_hessian = hessians[0] if one else torch.block_diag(*hessians)
     system = damping * torch.eye(len(residual), dtype=residual.dtype, device=residual.device) + output_hessian @ (jacobian @ jacobian.T)
-    step = -(jacobian.T @ torch.linalg.solve(system, residual))
+    work = _working_dtype(system.dtype)  # float32 for a half-precision model
+    step = -(jacobian.T @ torch.linalg.solve(system.to(work), residual.to(work)).to(system.dtype))
     sizes = [p.numel() for p in params.values()]
     return {name: piece.view(p.shape) for (name, p), piece in zip(params.items(), step.split(sizes))}
 

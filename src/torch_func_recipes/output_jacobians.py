@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._batch import (
     _as_batch,
+    _call_signature,
     _check_chunk_size,
     _check_model,
     _check_out_memory,
@@ -22,6 +24,7 @@ from ._batch import (
     _Inputs,
     _model_kept,
     _outputs_agree,
+    _per_model,
     _random_modules,
     _remembered_draws,
     _Unbatched,
@@ -124,15 +127,27 @@ def _identity(output):
     return output
 
 
+# Selects whose check passed, per select and model: {select: {model: {call signature}}}. Weak on both sides: a select
+# made anew on every call (a lambda in the call) is checked on every call, and one that is freed takes its entry
+# with it, so a new function at a freed one's address is never taken for it.
+_SELECT_APART: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _check_select_apart(model, select, batch):
     """Refuses (ValueError) a select that mixes the examples' outputs (`out - out.mean(0)`): the model's output for
     two different examples (the first, and the first that differs from it), selected together and row by row, must
     agree, as _batch._check_examples_apart asks of the model. vmap and the loop select each example's output alone
     (zero here), the fast path the batch's. Left undone for a model that draws random numbers, and where the
     model's output has no tensor with the two examples along dimension 0 or select raises on a row (the recipe's
-    path then meets the error)."""
+    path then meets the error). A check passed is remembered per select, model and call signature (one forward
+    pass of two examples, paid once in a loop over batches that passes the same select function); a select whose
+    result depends on more than its argument (a global it reads) is checked with the values it had then."""
     other = _first_other_example(batch) if len(batch) > 1 else None
     if other is None or _random_modules(model) or _remembered_draws(model, batch):
+        return
+    signature = _call_signature(model, batch)
+    passed = _per_model(_per_model(_SELECT_APART, select, weakref.WeakKeyDictionary), model, set)  # unremembered if unreferenceable
+    if signature is not None and signature in passed:
         return
     held = _held_generators(model)
     saved = [g.get_state() for g in held]
@@ -158,6 +173,8 @@ def _check_select_apart(model, select, batch):
         raise ValueError("select mixes the examples: on the model's outputs for two examples it gives other rows together "
                          "than for each alone (a mean or another operation across dimension 0), so no example's selected "
                          "output has a Jacobian of its own; select each example's rows on their own")
+    if signature is not None:
+        passed.add(signature)
 
 
 def _loop_jacobian(forward, trainable, batch, out, total):
