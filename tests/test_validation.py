@@ -742,6 +742,11 @@ def test_a_model_that_reads_the_batch_size_but_agrees_at_two_examples_keeps_off_
         assert report.path == "vmap" and "reads a number from the whole batch" in report.reason
     with pytest.raises(ValueError, match="the fast path does not apply: the first example's output in the batch of 5 differs"):
         PER_EXAMPLE[recipe](reader, CE, X, T, path="fast")
+    if recipe == "output_jacobian":  # with a select, known by its id only: checked on every call
+        jacobian = tfr.output_jacobian(reader, X, path="loop")
+        for _ in range(2):
+            result, report = tfr.output_jacobian(reader, X, select=lambda o: o[:, :2], report=True)
+            assert report.path == "vmap" and torch.allclose(result, jacobian[:, :2], rtol=1e-10, atol=1e-12)
     plain = type("Plain", (nn.Module,), {"forward": lambda self, x: layers[1](torch.tanh(layers[0](x)) / 2)})()
     plain.layers = layers
     result, report = PER_EXAMPLE[recipe](plain, CE, X, T, report=True)

@@ -653,10 +653,12 @@ def _first_row_alone(model, memo, batch, output, key):
     sees every operation, but not a Python number the forward pass reads from a tensor: a model that divides by
     max(x.shape[0], 2) agrees between one and two examples (_batch._check_examples_apart) and gave the batch's
     rows where vmap and the loop, which see each example alone, give the example's own. Cost: one forward pass of
-    one example, once per model, call signature and select (key, as for _FAILED: a chunk of another size is checked
-    again), in the caller's autocast (then to 16 roundings of its dtype at least), with gradients on. Left undone, and remembered, where the pass of one example
-    raises (the recipe's other paths meet the error) or draws random numbers (it cannot be compared); the
-    generators are left as they were found (as in _batch._check_examples_apart)."""
+    one example, in the caller's autocast (then to 16 roundings of its dtype at least), with gradients on; once
+    per model and call signature (key, as for _FAILED: a chunk of another size is checked again), but on every
+    call with output_jacobian's select (the key's variant), which is known by its id alone, and an id a freed
+    function had may be another function's. Left undone, and remembered, where the pass of one example raises
+    (the recipe's other paths meet the error) or draws random numbers (it cannot be compared); the generators
+    are left as they were found (as in _batch._check_examples_apart)."""
     checked = _per_model(_ROW_CHECKED, memo, set)
     if len(batch) < 2 or key is not None and key in checked:
         return None
@@ -686,7 +688,7 @@ def _first_row_alone(model, memo, batch, output, key):
             return (f"the first example's output in the batch of {len(batch)} differs from its output alone, though two "
                     "examples agree: the forward pass reads a number from the whole batch (its size, say) that the trace "
                     "cannot see")
-    if key is not None:
+    if key is not None and key[-1] is None:  # no select
         checked.add(key)
     return None
 
