@@ -740,7 +740,7 @@ def test_a_model_that_reads_the_batch_size_but_agrees_at_two_examples_keeps_off_
         result, report = PER_EXAMPLE[recipe](reader, CE, X, T, report=True)
         assert torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
         assert report.path == "vmap" and "reads a number from the whole batch" in report.reason
-    with pytest.raises(ValueError, match="the fast path does not apply: the first example's output in the batch of 5 differs"):
+    with pytest.raises(ValueError, match="the fast path does not apply: example 0's output in the batch of 5 differs"):
         PER_EXAMPLE[recipe](reader, CE, X, T, path="fast")
     if recipe == "output_jacobian":  # with a select, known by its id only: checked on every call
         jacobian = tfr.output_jacobian(reader, X, path="loop")
@@ -751,6 +751,67 @@ def test_a_model_that_reads_the_batch_size_but_agrees_at_two_examples_keeps_off_
     plain.layers = layers
     result, report = PER_EXAMPLE[recipe](plain, CE, X, T, report=True)
     assert report.path == "fast" and torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+def test_a_row_factor_made_from_the_batch_size_keeps_off_the_fast_path(recipe):
+    """1 + (arange(x.shape[0]) >= 2): the first two examples agree together and alone, and the first row agrees
+    too, but rows 2 on get a factor the loop and vmap, which see each example alone, never apply; the trace took
+    the arange for a constant. The last row is now compared with the last example alone as well."""
+    torch.manual_seed(43)
+    layers = nn.ModuleList([nn.Linear(4, 6), nn.Linear(6, 3)]).double()
+
+    def forward(self, x):
+        return layers[1](torch.tanh(layers[0](x))) * (1 + (torch.arange(x.shape[0]) >= 2).to(x.dtype)[:, None])
+
+    model = type("RowFactor", (nn.Module,), {"forward": forward})()
+    model.layers = layers
+    expected = flat(PER_EXAMPLE[recipe](model, CE, X, T, path="loop"))
+    result, report = PER_EXAMPLE[recipe](model, CE, X, T, report=True)
+    assert torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
+    assert report.path == "vmap" and "example 4's output in the batch of 5 differs" in report.reason
+
+
+@pytest.mark.parametrize("recipe", [name for name in PER_EXAMPLE if name != "output_jacobian"])
+@pytest.mark.parametrize("in_place", ["relu", "div"])
+def test_a_loss_that_changes_the_output_in_place_equals_the_loop(recipe, in_place):
+    """A loss_fn that changes the model's output in place (F.relu(o, inplace=True), o.div_(temperature)) changed
+    the last layer's recorded output after the trace had checked it, and the fast path took the gradient at the
+    changed tensor for the layer's: wrong per-example gradients, norms and clipped sums. The fast path now checks
+    the recorded tensors after the loss too, and steps aside."""
+    model = model_and_loss()
+    change = {"relu": lambda o: F.relu(o, inplace=True), "div": lambda o: o.div_(0.5)}[in_place]
+    loss = lambda out, t: CE(change(out), t)  # noqa: E731
+    expected = flat(PER_EXAMPLE[recipe](model, loss, X, T, path="loop"))
+    result, report = PER_EXAMPLE[recipe](model, loss, X, T, report=True)
+    assert torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
+    assert report.path == "vmap" and "the loss changed the input or output of the layer" in report.reason
+
+
+@pytest.mark.parametrize("recipe", ["per_sample_grads", "per_sample_grad_norms", "clipped_grad_sum"])
+def test_a_gradient_hook_the_forward_pass_registers_keeps_off_the_fast_path(recipe):
+    """A parameter hook registered lazily by the first forward pass (a gradient scale set up on first use): the
+    screen had looked for hooks before the check of examples apart ran the model and registered it, so the first
+    call took the fast path, which leaves parameter hooks out (0.24 off). The trace now looks again after its
+    forward pass; the hook sends the call to the loop, which runs it."""
+    def build():
+        torch.manual_seed(44)
+        layers = nn.ModuleList([nn.Linear(4, 6), nn.Linear(6, 3)]).double()
+
+        def forward(self, x):
+            if not self.hooked:
+                layers[0].weight.register_hook(lambda g: 0.5 * g)
+                self.hooked = True
+            return layers[1](torch.tanh(layers[0](x)))
+
+        model = type("LazyHook", (nn.Module,), {"forward": forward})()
+        model.layers, model.hooked = layers, False
+        return model
+
+    expected = flat(PER_EXAMPLE[recipe](build(), CE, X, T, path="loop"))
+    result, report = PER_EXAMPLE[recipe](build(), CE, X, T, report=True)
+    assert torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
+    assert report.path == "loop"
 
 
 def test_a_failed_trace_is_run_once_per_call_signature(monkeypatch):

@@ -471,7 +471,7 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> str | None:
     size (a tensor with a row per example passed as unbatched, which the fast path's trace would take for a
     constant with a row per example, where vmap and the loop give every example all of it): the reason is
     returned (else None), for the fast path to step aside; one that reads the size but agrees at two examples
-    (`max(x.shape[0], 2)`) is caught by the fast path's own comparison of its first row (_trace._first_row_alone).
+    (`max(x.shape[0], 2)`) is caught by the fast path's own comparison of its end rows (_trace._end_rows_alone).
     Cost: three forward passes of one or two examples, on every path (the fast path's trace sees each operation,
     but not a Python number read from a tensor: the batch's size in `h / x.shape[0]`,
     or `.tolist()`). Not run for a batch of one; nor for a model with a random module in training mode, or whose
@@ -707,12 +707,13 @@ def _graph_nodes(starts: Iterable[Any]) -> Iterator[Any]:
         stack.extend(child for child, _ in node.next_functions if child is not None)
 
 
-def _hooked_parameters(model: nn.Module) -> list[str]:
-    """The trainable parameters with a gradient hook of their own (Tensor.register_hook): autograd runs it on every
-    gradient taken of the parameter, the loop's per example included, but the fast path computes each example's
-    gradient from the layer's input and output gradient, and vmap from a copy of the parameter that carries no hook:
-    both would leave it out."""
-    return [name for name, p in model.named_parameters() if p.requires_grad and p._backward_hooks]
+def _hooked_parameters(model: nn.Module | dict[str, nn.Parameter]) -> list[str]:
+    """The trainable parameters (of a model, or of a dict {name: parameter}) with a gradient hook of their own
+    (Tensor.register_hook): autograd runs it on every gradient taken of the parameter, the loop's per example
+    included, but the fast path computes each example's gradient from the layer's input and output gradient, and
+    vmap from a copy of the parameter that carries no hook: both would leave it out."""
+    named = model.items() if isinstance(model, dict) else model.named_parameters()
+    return [name for name, p in named if p.requires_grad and p._backward_hooks]
 
 
 def _module_backward_hook(model: nn.Module) -> str | None:

@@ -634,7 +634,7 @@ def _traced_forward(model, batch, trainable, need="grads", owners=None, memo=Non
                 _set_generator_states(before, cuda, held)
                 watch.restore(held)
     if reason is None:
-        reason = _first_row_alone(model, memo, batch, output, key)
+        reason = _end_rows_alone(model, memo, batch, output, key)
         if reason is not None:
             output = layers = None
     if reason is not None and key is not None:
@@ -642,36 +642,40 @@ def _traced_forward(model, batch, trainable, need="grads", owners=None, memo=Non
     return output, layers, reason
 
 
-# Call signatures whose traced output was compared with the first example's alone (_first_row_alone), per model:
+# Call signatures whose traced output was compared with its end examples' alone (_end_rows_alone), per model:
 # {model: {key}}; a model that is freed takes its entry with it.
 _ROW_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _first_row_alone(model, memo, batch, output, key):
-    """None, or the reason the fast path steps aside: the traced output's first row must agree with the first
-    example's output alone (_batch._outputs_agree, output tensors with a row per example of the batch). The trace
+def _end_rows_alone(model, memo, batch, output, key):
+    """None, or the reason the fast path steps aside: the traced output's first and last rows must agree with those
+    examples' outputs alone (_batch._outputs_agree, output tensors with a row per example of the batch). The trace
     sees every operation, but not a Python number the forward pass reads from a tensor: a model that divides by
-    max(x.shape[0], 2) agrees between one and two examples (_batch._check_examples_apart) and gave the batch's
-    rows where vmap and the loop, which see each example alone, give the example's own. Cost: one forward pass of
-    one example, in the caller's autocast (then to 16 roundings of its dtype at least), with gradients on; once
-    per model and call signature (key, as for _FAILED: a chunk of another size is checked again), but on every
-    call with output_jacobian's select (the key's variant), which is known by its id alone, and an id a freed
-    function had may be another function's. Left undone, and remembered, where the pass of one example raises
-    (the recipe's other paths meet the error) or draws random numbers (it cannot be compared); the generators
-    are left as they were found (as in _batch._check_examples_apart)."""
+    max(x.shape[0], 2) agrees between one and two examples (_batch._check_examples_apart), and one that scales its
+    rows by a tensor made from the batch's size (torch.arange(x.shape[0]) >= 2) agrees at the first two rows; both
+    gave the batch's rows where vmap and the loop, which see each example alone, give the example's own. Not seen:
+    such a tensor whose first and last rows agree with one example's (arange(x.shape[0]) == 2). Cost: two forward
+    passes of one example, in the caller's autocast (then to 16 roundings of its dtype at least), with gradients
+    on; once per model and call signature (key, as for _FAILED: a chunk of another size is checked again), but on
+    every call with output_jacobian's select (the key's variant), which is known by its id alone, and an id a
+    freed function had may be another function's. Left undone, and remembered, where a pass of one example raises
+    (the recipe's other paths meet the error) or draws random numbers (it cannot be compared); the generators are
+    left as they were found (as in _batch._check_examples_apart)."""
     checked = _per_model(_ROW_CHECKED, memo, set)
     if len(batch) < 2 or key is not None and key in checked:
         return None
     module = memo if isinstance(memo, nn.Module) else None
     cuda, held = (_cuda_devices(module, batch), _held_generators(module)) if module is not None else ([], [])
     before, watch = _generator_states(cuda, held), _GeneratorWatch()
-    alone, drew = None, False
+    ends = (0, len(batch) - 1)
+    alone: list = []
     try:
         with torch.enable_grad(), torch.random.fork_rng(devices=cuda), watch:
-            alone = _detached(batch.rows(slice(0, 1)).call(model))
-            drew = _drew_random_numbers(before, cuda, held) or bool(watch.others(held))
+            alone = [_detached(batch.rows(slice(n, n + 1)).call(model)) for n in ends]
+            if _drew_random_numbers(before, cuda, held) or watch.others(held):
+                alone = []  # random draws: nothing to compare
     except Exception:  # noqa: BLE001 (any error, no message read: the recipe's other paths meet it)
-        alone = None
+        alone = []
     finally:
         for generator, state in zip(held, before[1 + len(cuda):]):
             generator.set_state(state)
@@ -681,13 +685,14 @@ def _first_row_alone(model, memo, batch, output, key):
     # to float32, 3e-3 apart between one example and two): 16 roundings of the autocast dtype, as for its own outputs
     low = [torch.get_autocast_dtype(d) for d in {t.device.type for t in batch.tensors()} | {"cpu"} if torch.is_autocast_enabled(d)]
     slack = max((16 * torch.finfo(dtype).eps for dtype in low), default=0.0)
-    if alone is not None and not drew and len(alone) == len(together):
-        pairs = [(t[:1], a) for t, a in zip(together, alone) if isinstance(t, torch.Tensor) and isinstance(a, torch.Tensor)
+    for n, one in zip(ends, alone):
+        if len(one) != len(together):
+            continue
+        pairs = [(t[n:n + 1], a) for t, a in zip(together, one) if isinstance(t, torch.Tensor) and isinstance(a, torch.Tensor)
                  and t.dim() >= 1 and t.shape[0] == len(batch) and a.shape == (1, *t.shape[1:])]
         if pairs and not _outputs_agree([t for t, _ in pairs], [a for _, a in pairs], slack):
-            return (f"the first example's output in the batch of {len(batch)} differs from its output alone, though two "
-                    "examples agree: the forward pass reads a number from the whole batch (its size, say) that the trace "
-                    "cannot see")
+            return (f"example {n}'s output in the batch of {len(batch)} differs from its output alone, though two examples "
+                    "agree: the forward pass reads a number from the whole batch (its size, say) that the trace cannot see")
     if key is not None and key[-1] is None:  # no select
         checked.add(key)
     return None
@@ -722,6 +727,9 @@ def _run_trace(model, batch, trainable, need, owners):
         return None, None, "the model's output is not made of tensors with the examples along dimension 0"
     if any(isinstance(t.grad_fn, _CUSTOM) for t in leaves):
         return None, None, "the model's output comes from a custom autograd.Function, whose backward the trace cannot see"
+    hooked = _hooked_parameters(trainable)  # registered by the forward pass itself (once, lazily, or on every call)
+    if hooked:
+        return None, None, f"parameter {hooked[0]} has a gradient hook (Tensor.register_hook), which only the loop runs"
     unused = [name for name in trainable if name not in tracer.used]
     unused += [info["weight"] for info in tracer.shared.values() if not info["added"]]
     if unused:
@@ -735,6 +743,19 @@ def _run_trace(model, batch, trainable, need, owners):
     for layer in tracer.layers:
         _in_parameter_dtype(layer, trainable)
     return output, tracer.layers, None
+
+
+def _changed_by_loss(layers) -> str | None:
+    """None, or the reason the fast path steps aside where the loss changed a recorded tensor in place (a loss_fn
+    that calls F.relu(out, inplace=True) or out.div_(temperature) on the model's output, which is the last layer's):
+    the gradient autograd then gives at that tensor is the changed tensor's, not that of the output the layer
+    computed, so its per-example products would be wrong. Checked after the losses, as _run_trace checks after the
+    forward pass."""
+    for layer in layers:
+        if (layer["a"]._version, layer["z"]._version) != layer["versions"]:
+            return (f"the loss changed the input or output of the layer of {layer['weight'] or layer['bias']} in place "
+                    "(out.div_(t), or an in-place activation on the model's output)")
+    return None
 
 
 def _in_parameter_dtype(layer, trainable):

@@ -41,7 +41,7 @@ from ._batch import (
     _Unbatched,
 )
 from ._layers import _CrossTerms, _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
-from ._trace import PathReport, _check_path, _fast_path_screen, _losses_of_each, _traced_forward
+from ._trace import PathReport, _changed_by_loss, _check_path, _fast_path_screen, _losses_of_each, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
@@ -175,6 +175,9 @@ def _fast_chunk(model, trainable, loss_fn, batch, out, owners):
     if reason is not None:
         return reason
     total = _losses_of_each(loss_fn, output, batch).sum()
+    changed = _changed_by_loss(layers)
+    if changed is not None:
+        return changed
     deltas = torch.autograd.grad(total, [layer["z"] for layer in layers], allow_unused=True)
     done: set = set()
     for layer, delta in zip(layers, deltas):
@@ -527,6 +530,9 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, ma
         if reason is not None:
             return None, reason
         losses = _losses_of_each(loss_fn, output, part)
+        changed = _changed_by_loss(layers)
+        if changed is not None:
+            return None, changed
         total = losses.sum()
         chunk, done = losses.new_zeros(len(part), dtype=next(iter(trainable.values())).dtype), set()
         kept: dict[int, torch.Tensor] = {}
