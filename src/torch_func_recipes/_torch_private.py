@@ -159,7 +159,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                                                        "_layer_parameter._ParameterRule._record_cat", "_layer_parameter._ParameterRule._record_scale",
                                                        "_layer_parameter._ParameterRule.record",
                                                        "_layer_rms_norm._RMSNormRule.record", "_trace._BatchTrace.follow_fresh",
-                                                       "_trace._changed_by_loss", "_trace._run_trace"),
+                                                       "_trace._moved_layer"),
                "the version counter is the only record that an in-place operation changed a layer's input or output "
                "after the trace saved it (one more per in-place operation, which an addition into a layer's fresh "
                "output is allowed), or a buffer during a recipe (which is then put back)",

@@ -735,9 +735,10 @@ def _run_trace(model, batch, trainable, need, owners):
     if unused:
         kinds = " or ".join(rule.kind for rule in tracer.rules)
         return None, None, f"parameter {unused[0]} is not used by an operation its layer's rule ({kinds}) recognises"
+    moved = _moved_layer(tracer.layers)
+    if moved is not None:
+        return None, None, f"an in-place operation changed the input or output of the layer of {moved}"
     for layer in tracer.layers:
-        if (layer["a"]._version, layer["z"]._version) != layer["versions"]:
-            return None, None, f"an in-place operation changed the input or output of the layer of {layer['weight'] or layer['bias']}"
         if not layer["z"].requires_grad:  # made with gradients on, then detached (a custom Function's forward returned it)
             return None, None, f"the output of the layer of {layer['weight'] or layer['bias']} was detached after the layer ran"
     for layer in tracer.layers:
@@ -745,17 +746,25 @@ def _run_trace(model, batch, trainable, need, owners):
     return output, tracer.layers, None
 
 
-def _changed_by_loss(layers) -> str | None:
-    """None, or the reason the fast path steps aside where the loss changed a recorded tensor in place (a loss_fn
-    that calls F.relu(out, inplace=True) or out.div_(temperature) on the model's output, which is the last layer's):
-    the gradient autograd then gives at that tensor is the changed tensor's, not that of the output the layer
-    computed, so its per-example products would be wrong. Checked after the losses, as _run_trace checks after the
-    forward pass."""
+def _moved_layer(layers) -> str | None:
+    """The name (weight, else bias) of the first traced layer whose recorded input or output an in-place operation
+    changed since the trace recorded it (its version counter moved past layer["versions"]), else None. Asked after
+    the forward pass (_run_trace) and again after the loss (_changed_by_loss: a loss_fn that calls
+    F.relu(out, inplace=True) or out.div_(temperature) on the model's output, which is the last layer's):
+    autograd's gradient at a changed tensor is the changed tensor's, not that of the output the layer computed,
+    so the per-example products from it would be wrong, and the fast path steps aside."""
     for layer in layers:
         if (layer["a"]._version, layer["z"]._version) != layer["versions"]:
-            return (f"the loss changed the input or output of the layer of {layer['weight'] or layer['bias']} in place "
-                    "(out.div_(t), or an in-place activation on the model's output)")
+            return layer["weight"] or layer["bias"]
     return None
+
+
+def _changed_by_loss(layers) -> str | None:
+    """None, or why the fast path steps aside: the loss changed a traced layer's input or output in place
+    (_moved_layer, asked once the losses are computed)."""
+    moved = _moved_layer(layers)
+    return None if moved is None else (f"the loss changed the input or output of the layer of {moved} in place "
+                                       "(out.div_(t), or an in-place activation on the model's output)")
 
 
 def _in_parameter_dtype(layer, trainable):

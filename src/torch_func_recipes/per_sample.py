@@ -175,8 +175,7 @@ def _fast_chunk(model, trainable, loss_fn, batch, out, owners):
     if reason is not None:
         return reason
     total = _losses_of_each(loss_fn, output, batch).sum()
-    changed = _changed_by_loss(layers)
-    if changed is not None:
+    if (changed := _changed_by_loss(layers)) is not None:
         return changed
     deltas = torch.autograd.grad(total, [layer["z"] for layer in layers], allow_unused=True)
     done: set = set()
@@ -530,8 +529,7 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, ma
         if reason is not None:
             return None, reason
         losses = _losses_of_each(loss_fn, output, part)
-        changed = _changed_by_loss(layers)
-        if changed is not None:
+        if (changed := _changed_by_loss(layers)) is not None:
             return None, changed
         total = losses.sum()
         chunk, done = losses.new_zeros(len(part), dtype=next(iter(trainable.values())).dtype), set()
