@@ -814,6 +814,88 @@ def test_a_gradient_hook_the_forward_pass_registers_keeps_off_the_fast_path(reci
     assert report.path == "loop"
 
 
+class KeptView(nn.Module):
+    """model_and_loss()'s layers, the last one's weight also used through its transpose kept as an attribute, made
+    in __init__: with its autograd graph (how="graph"), detached, or under torch.no_grad(); how="inside" makes it
+    inside forward, detached, as the two constant ones mean."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.body, self.head, self.how = model_and_loss()[:2], model_and_loss()[2], how
+        if how == "graph":
+            self.w_t = self.head.weight.t()
+        elif how == "detached":
+            self.w_t = self.head.weight.t().detach()
+        elif how == "no_grad":
+            with torch.no_grad():
+                self.w_t = self.head.weight.t()
+
+    def forward(self, x):
+        h = self.body(x)
+        w_t = self.head.weight.t().detach() if self.how == "inside" else self.w_t
+        return self.head(h) + 0.01 * (h @ w_t)
+
+
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_a_tensor_made_from_a_parameter_before_the_call_is_refused_on_every_path(recipe):
+    """A view of a weight kept as an attribute (self.w_t = self.head.weight.t() in __init__) carries autograd's
+    graph back to the weight, so the loop's gradients flow through it; but the trace took it for a constant (the
+    fast path 0.24 off on per-example gradients), and vmap and the curvature recipes swap copies of the weight
+    into the model, which the view does not follow. Every path now refuses it, naming the parameter; made without
+    a graph (detached, or under no_grad) it is a constant for autograd too, and answers as a model detaching it
+    inside forward."""
+    message = r"^the forward pass uses a tensor computed from parameter head.weight before the call"
+    with pytest.raises(ValueError, match=message):
+        ALL[recipe](KeptView("graph"), CE, X, T)
+    if recipe in PER_EXAMPLE:
+        for path in ("vmap", "loop"):
+            with pytest.raises(ValueError, match=message):
+                PER_EXAMPLE[recipe](KeptView("graph"), CE, X, T, path=path)
+    expected = flat(ALL[recipe](KeptView("inside"), CE, X, T))
+    for how in ("detached", "no_grad"):
+        assert torch.allclose(flat(ALL[recipe](KeptView(how), CE, X, T)), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("recipe", [name for name in ALL if name != "output_jacobian"])
+def test_a_loss_using_a_view_of_a_parameter_made_before_the_call_is_refused(recipe):
+    """A loss_fn reading a parameter itself is refused (a penalty inside the loss counts on some paths only); one
+    reading a view of it made beforehand was not, and the fast path and vmap left its share out."""
+    model = model_and_loss()
+    w = model[2].weight.view(3, 6)
+    loss = lambda out, t: CE(out, t) + 0.1 * (out @ w).square().sum()  # noqa: E731
+    with pytest.raises(ValueError, match=r"^loss_fn uses a tensor computed from parameter 2.weight before the call"):
+        ALL[recipe](model, loss, X, T)
+
+
+@pytest.mark.parametrize(("recipe", "which"), [(recipe, which) for which in ("inputs", "targets") for recipe in ALL
+                                               if (recipe, which) != ("output_jacobian", "targets")])  # it takes no targets
+def test_inputs_or_targets_computed_from_the_model_with_their_graph_are_refused(recipe, which):
+    """Inputs or targets computed from the model's own parameters without detaching them: the loop's gradients
+    flowed through them too, the other paths' did not. Every path refuses them; detached, they answer."""
+    model, mse = model_and_loss(), F.mse_loss
+    inputs, targets = (X + 0 * model[0].bias.sum(), torch.zeros(5, 3, dtype=torch.float64)) if which == "inputs" else (X, 0.5 * model(X))
+    names = "0.bias" if which == "inputs" else "0.weight, 0.bias, 2.weight and more"
+    with pytest.raises(ValueError, match=rf"^the inputs or targets were computed from parameter {names} with their autograd graph"):
+        ALL[recipe](model, mse, inputs, targets)
+    ALL[recipe](model, mse, inputs.detach(), targets.detach())
+
+
+def test_a_weight_parametrize_caches_is_refused_after_a_call_without_the_cache():
+    """Inside torch.nn.utils.parametrize.cached() a parametrized weight (weight_norm's) is computed once and then
+    reused: a tensor made before the pass, which the copies vmap swaps in never reach. The check that sees it was
+    remembered from a call outside cached(), so vmap and the loop went on, 0.84 off. Whether cached() is on is now
+    part of the call signature the checks are remembered by."""
+    torch.manual_seed(45)
+    model = nn.Sequential(torch.nn.utils.parametrizations.weight_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3)).double()
+    expected = tfr.per_sample_grads(model, CE, X, T, path="loop")
+    assert same(tfr.per_sample_grads(model, CE, X, T), expected)
+    with torch.nn.utils.parametrize.cached():
+        for path in ("auto", "vmap", "loop"):
+            with pytest.raises(ValueError, match=r"^the forward pass uses a tensor computed from parameter 0.parametrizations"):
+                tfr.per_sample_grads(model, CE, X, T, path=path)
+    assert same(tfr.per_sample_grads(model, CE, X, T), expected)
+
+
 def test_a_failed_trace_is_run_once_per_call_signature(monkeypatch):
     """The trace of a model the fast path refuses (an in-place ReLU on a recorded output) runs once for a call
     signature, not once a step, and again for another signature (another batch size, another mode); the

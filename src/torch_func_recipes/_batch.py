@@ -56,6 +56,11 @@ reach it (``checkpoint(...,                 gradient and no curvature; use ``use
 use_reentrant=True)``, a Function reading   (transformers' default), pass the parameter to the
 a parameter it is not given)                Function, or freeze it; one read under a plain no_grad
                                             gets autograd's zero, as with ``.backward()``
+a tensor computed from a trainable         ValueError naming the parameter, for every recipe taking
+parameter before the call, with its         data (``_FunctionUses.premade``, ``_batch_made_with``):
+autograd graph (a view of a weight kept as  autograd carries its share of the gradient back to the
+an attribute or closed over by loss_fn;     parameter, which the fast path, vmap and the curvature
+inputs or targets computed from the model)  recipes do not follow; detached, it is a constant and answers
 a custom Function whose backward calls      ValueError naming them, for every recipe taking data
 backward() itself for parameters it         (``_model_kept``): every path would give them no
 returns no gradient for (a reentrant        gradient; their ``.grad`` (which it writes) is put back
@@ -252,15 +257,18 @@ class _Batch:
         """loss_fn on the output (and targets), refused where it reads a trainable parameter of the model a recipe
         runs on (_model_kept names them): the recipes differentiate the parameters through the forward pass (the
         fast path from the layers' outputs, vmap from copies swapped into the model), so a penalty inside loss_fn
-        would count on the loop alone."""
+        would count on the loop alone; so would one through a tensor computed from a parameter before the call (a
+        view of a weight loss_fn closes over: _FunctionUses.premade)."""
         watched = _LOSS_READS.get()
         if watched is None or not watched[1]:
             return loss_fn(output) if self.targets is None else loss_fn(output, self.targets)
-        uses = _FunctionUses(watched[1], anywhere=True)
+        uses = _FunctionUses(watched[1], anywhere=True, given=[id(t) for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)])
         with uses:
             value = loss_fn(output) if self.targets is None else loss_fn(output, self.targets)
         if uses.found:
             raise _loss_reads_parameters([name for name, p in watched[0].named_parameters() if id(p) in uses.found])
+        if uses.premade:
+            raise _made_before([name for name, p in watched[0].named_parameters() if id(p) in uses.premade], "loss_fn")
         return value
 
     def per_example(self, f: Callable[..., Any]) -> tuple[Callable[..., Any], tuple, tuple]:
@@ -438,8 +446,8 @@ def _per_model(memory: weakref.WeakKeyDictionary, model: Any, empty: Callable[[]
 def _call_signature(model: Any, batch: _Batch) -> tuple | None:
     """What a model's behaviour on a batch depends on besides its code and the tensors' values: the structure of
     the arguments, each tensor's shape, dtype, device and whether it carries examples, the other arguments'
-    values, every submodule's train/eval mode and whether autograd records. None when an argument that is not a
-    tensor cannot be hashed (nothing can then be remembered)."""
+    values, every submodule's train/eval mode, whether autograd records and whether parametrize.cached() is on.
+    None when an argument that is not a tensor cannot be hashed (nothing can then be remembered)."""
     leaves, _, batched = batch._leaves()
     parts: list[Any] = []
     for leaf, carries in zip(leaves, batched):
@@ -452,7 +460,8 @@ def _call_signature(model: Any, batch: _Batch) -> tuple | None:
                 return None
             parts.append((type(leaf), leaf))
     modes = tuple(m.training for m in model.modules()) if isinstance(model, nn.Module) else ()
-    return len(batch.args), tuple(batch.kwargs), tuple(parts), modes, torch.is_grad_enabled()
+    cached = nn.utils.parametrize._cache_enabled > 0  # parametrize.cached(): parametrized weights made once, reused
+    return len(batch.args), tuple(batch.kwargs), tuple(parts), modes, torch.is_grad_enabled(), cached
 
 
 def _check_examples_apart(model: nn.Module, batch: _Batch) -> str | None:
@@ -662,19 +671,70 @@ def _in_custom_function() -> bool:
 class _FunctionUses(TorchFunctionMode):
     """Notes the parameters (by id) that a torch function receives inside a custom Function's forward (with gradients
     off, or on a graph of its own under enable_grad), where autograd then differentiates the Function's own
-    backward (or, for a reentrant checkpoint, a recomputation), not what ran; anywhere=True: wherever they are."""
+    backward (or, for a reentrant checkpoint, a recomputation), not what ran; anywhere=True: wherever they are.
 
-    def __init__(self, params: Mapping[int, Any], anywhere: bool = False) -> None:
+    Also notes, in `premade`, the parameters that a tensor made before the pass reaches through its autograd graph:
+    a view of a weight kept as an attribute (`self.w_t = self.fc.weight.t()` in __init__) or closed over, an input
+    or target computed from the model with its graph attached. The transforms differentiate copies of the
+    parameters swapped into the model, and the fast path each layer's own use of them: neither follows such a
+    tensor, so its share of the gradient would be left out. A tensor counts as made before the pass unless a torch
+    function returned it during the pass or it is in `given` (ids: the output handed to a loss); each is looked at
+    once. One made under no_grad, or detached, has no graph: a constant, for autograd as for the recipes."""
+
+    def __init__(self, params: Mapping[int, Any], anywhere: bool = False, given: Iterable[int] = ()) -> None:
         super().__init__()
         self.params, self.found, self.anywhere = params, set[Any](), anywhere
+        self.made, self.premade = set(given), set[Any]()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        names = [self.params[id(leaf)] for value in (*args, *kwargs.values())
-                 for leaf in (value if isinstance(value, (list, tuple)) else (value,)) if id(leaf) in self.params]
+        leaves = [leaf for value in (*args, *kwargs.values()) for leaf in (value if isinstance(value, (list, tuple)) else (value,))]
+        names = [self.params[id(leaf)] for leaf in leaves if id(leaf) in self.params]
         if names and (self.anywhere or _in_custom_function()):  # the stack is walked only for a parameter's use
             self.found.update(names)
-        return func(*args, **kwargs)
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and id(leaf) not in self.made and leaf.grad_fn is not None:
+                self.made.add(id(leaf))  # looked at once
+                self.premade.update(_graph_reaches([leaf], self.params))
+        result = func(*args, **kwargs)
+        self.made.update(id(t) for t in (result if isinstance(result, (list, tuple)) else (result,)) if isinstance(t, torch.Tensor))
+        return result
+
+
+def _graph_reaches(tensors: Iterable[Any], params: Mapping[int, Any]) -> set[Any]:
+    """The values of params ({id(parameter): value}) whose parameters the autograd graphs of tensors reach."""
+    return {params[id(variable)] for node in _graph_nodes(t.grad_fn for t in tensors if isinstance(t, torch.Tensor))
+            if id(variable := getattr(node, "variable", None)) in params}
+
+
+def _batch_made_with(batch: "_Batch", model: nn.Module | Mapping[str, Any]) -> ValueError | None:
+    """The refusal of a batch whose inputs or targets were computed from the model's trainable parameters (or those
+    of a dict {name: parameter}) with their autograd graph (_FunctionUses.premade), or None. Looked at on every
+    call: the batch's tensors, not its signature, tell."""
+    leaves = [leaf for leaf in batch._leaves()[0] if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]
+    if not leaves:
+        return None
+    named = model.named_parameters() if isinstance(model, nn.Module) else model.items()
+    ids = {id(p): name for name, p in named if p.requires_grad}
+    reached = _graph_reaches(leaves, ids)
+    return _made_before([name for name in ids.values() if name in reached], "the batch") if reached else None
+
+
+def _made_before(names: list[str], where: str) -> ValueError:
+    """The refusal of a tensor computed from trainable parameters before the call, with its autograd graph
+    (_FunctionUses.premade): where: "the forward pass", "loss_fn" or "the batch" (inputs or targets)."""
+    them = "them" if len(names) > 1 else "it"
+    listed = f"parameter {', '.join(names[:3])}{' and more' if len(names) > 3 else ''}"
+    if where == "the batch":
+        return ValueError(f"the inputs or targets were computed from {listed} with their autograd graph: the recipes "
+                          f"differentiate the parameters where the forward pass uses {them}, and would leave the share "
+                          f"of the gradient that flows through the inputs or targets out; detach them, or compute them "
+                          f"inside forward")
+    return ValueError(f"{where} uses a tensor computed from {listed} before the call, with its autograd graph (a view "
+                      f"kept as an attribute, such as self.w_t = self.fc.weight.t() in __init__, or closed over): the "
+                      f"recipes differentiate the parameters where the forward pass uses {them}, and would leave that "
+                      f"tensor's share of the gradient out; compute it inside forward, or detach it if no gradient "
+                      f"should flow through it")
 
 
 # The model a per-example or curvature recipe runs on and its trainable parameters, (model, {id: id}), while it
@@ -741,9 +801,14 @@ def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = 
     (as in _check_examples_apart). Run on every path off the fast path, remembered per model and call signature;
     where the pass raises, the recipe's own path meets the error. remember=False (before the loop, where one more
     forward pass of one example costs little): run even where it passed before, so a model changed since
-    (checkpointing turned on) is seen."""
+    (checkpointing turned on) is seen. The same pass refuses a tensor computed from a trainable parameter before
+    the call with its autograd graph (_FunctionUses.premade: a view of a weight kept as an attribute), and every
+    call refuses a batch computed so (_batch_made_with): their share of the gradient only the loop would count."""
     if not isinstance(model, nn.Module) or len(batch) == 0:
         return
+    refusal = _batch_made_with(batch, model)
+    if refusal is not None:
+        raise refusal
     signature = _call_signature(model, batch) if remember else None
     passed = _per_model(_REACHED, model, set)
     if signature is not None and signature in passed:
@@ -766,6 +831,8 @@ def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = 
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
         if variable is not None and id(variable) in trainable:
             reached.add(trainable[id(variable)])
+    if uses.premade:
+        raise _made_before([name for name in trainable.values() if name in uses.premade], "the forward pass")
     unreached = [name for name in trainable.values() if name in uses.found and name not in reached]
     if unreached:
         them = "them" if len(unreached) > 1 else "it"

@@ -61,7 +61,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "only a dispatch mode sees every ATen operation of the forward pass with its schema, which the fast "
                "path's trace must check; torch.overrides.TorchFunctionMode sees Python calls before decomposition",
                None, None),
-    PrivateAPI("torch.utils._pytree.tree_flatten", "import", ("_batch._Batch._leaves", "_batch._Batch.tensors", "_batch._as_batch",
+    PrivateAPI("torch.utils._pytree.tree_flatten", "import", ("_batch._Batch._leaves", "_batch._Batch.loss", "_batch._Batch.tensors", "_batch._as_batch",
                                                                "_batch._check_parameters_reached", "_batch._detached",
                                                                "_batch._gradients_enabled.run",
                                                                "_trace._run_trace", "output_jacobians._check_select_apart"),
@@ -72,6 +72,11 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                                                                  "_batch._gradients_enabled.run", "output_jacobians._check_select_apart"),
                "rebuilds a batch's nested inputs and targets from the leaves tree_flatten gave (one example's rows, or "
                "vmap's slices), and a model output from its rows, and torch has no public pytree module",
+               None, None),
+    PrivateAPI("torch.nn.utils.parametrize._cache_enabled", "module attribute", ("_batch._call_signature",),
+               "whether torch.nn.utils.parametrize.cached() is on: a parametrized weight is then computed once and reused "
+               "as a tensor made before the pass, so a check that passed outside it does not hold inside; torch has no "
+               "public query",
                None, None),
     PrivateAPI("torch.nn.modules.dropout._DropoutNd", "module attribute", ("_batch",),
                "the one base class of Dropout, Dropout1d/2d/3d, AlphaDropout and FeatureAlphaDropout (and third-party "

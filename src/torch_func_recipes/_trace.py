@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._batch import (
     _Batch,
+    _batch_made_with,
     _call_signature,
     _check_examples_apart,
     _cuda_devices,
@@ -28,6 +29,7 @@ from ._batch import (
     _drew_random_numbers,
     _generator_states,
     _GeneratorWatch,
+    _graph_nodes,
     _held_generators,
     _hooked_parameters,
     _module_backward_hook,
@@ -267,6 +269,10 @@ class _BatchTrace(TorchDispatchMode):
         if ref is not None and not ref.expired():
             self.fail(f"{func} uses a tensor that shares memory with example data but was made by no operation the trace "
                       "saw (through .numpy() and torch.from_numpy, say, or a tensor autograd saved)")
+        if t.grad_fn is not None and any(getattr(getattr(node, "variable", None), "_cdata", None) in self.trainable
+                                         for node in _graph_nodes((t.grad_fn,))):
+            self.fail(f"{func} uses a tensor computed from a trainable parameter before the call (a view of a weight "
+                      "kept as an attribute, say), whose share of the gradient no layer rule sees")
         self.refs[t._cdata] = _WeakTensorRef(t)
 
     def share(self, t, info):
@@ -613,6 +619,8 @@ def _traced_forward(model, batch, trainable, need="grads", owners=None, memo=Non
     draw random numbers (_batch._remembered_draws), a trace that fails or raises leaves every generator it drew
     from as it found it (the default ones, those the model holds, any other it passed to a torch function)."""
     memo = model if memo is None else memo
+    if _batch_made_with(batch, trainable) is not None:  # every path refuses it (_check_parameters_reached says why)
+        return None, None, "the batch was computed from trainable parameters, with their autograd graph"
     failed = _per_model(_FAILED, memo, dict)
     signature = _call_signature(memo, batch)  # shapes, dtypes, devices, other arguments, modes, grad mode
     key = None if signature is None else (need, tuple(trainable), signature, variant)

@@ -278,7 +278,8 @@ def _trainable(model, loss_fn, inputs, targets, name="inputs", tensor_output=Non
                          "its real and imaginary parts, torch.view_as_real, to measure the curvature in both)")
     params = {name: p.detach() for name, p in trainable.items()}
     data = _Data(model, loss_fn, inputs, targets, params, name)
-    _check_parameters_reached(model, _as_batch(data.first_inputs))  # a reentrant checkpoint: its blocks get no curvature
+    # a reentrant checkpoint (its blocks get no curvature), or a tensor computed from the parameters before the call
+    _check_parameters_reached(model, _as_batch(data.first_inputs, data.first_targets))
     if len(data.first_inputs):  # a penalty inside loss_fn (weight decay): functional_call swaps the parameters in the
         # model's forward pass only, so its curvature was left out (param_hvp 0.79 off); _Batch.loss refuses it
         with torch.no_grad(), _no_random_draws(data.device, _held_generators(model)):
