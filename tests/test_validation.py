@@ -896,6 +896,74 @@ def test_a_weight_parametrize_caches_is_refused_after_a_call_without_the_cache()
     assert same(tfr.per_sample_grads(model, CE, X, T), expected)
 
 
+class BackwardHook(nn.Module):
+    """model_and_loss()'s layers with something hung on the backward pass by the forward pass: a gradient hook on the
+    hidden activation that divides by the norm of the gradient it is given ("tensor hook"), the same as a pre-hook
+    of the activation's grad_fn ("node prehook"), saved-tensor hooks that quantise each saved tensor with one scale
+    ("saved tensors", 8-bit activation compression), or a hook that only looks ("observer", returning None)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.first, self.rest, self.how = model_and_loss()[0], model_and_loss()[1:], how
+
+    def forward(self, x):
+        if self.how == "saved tensors":
+            def unpack(t):
+                scale = t.abs().max() / 127
+                return (t / scale).round() * scale
+
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+                return self.rest(self.first(x))
+        h = self.first(x)
+        if h.requires_grad:
+            if self.how == "tensor hook":
+                h.register_hook(lambda g: g / g.norm())
+            elif self.how == "node prehook":
+                h.grad_fn.register_prehook(lambda gs: (gs[0] / gs[0].norm(),))
+            else:
+                h.register_hook(lambda g: None)
+        return self.rest(h)
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+@pytest.mark.parametrize("how", ["tensor hook", "node prehook", "saved tensors"])
+def test_a_backward_pass_that_mixes_the_examples_keeps_off_the_fast_path(recipe, how):
+    """What the forward pass hangs on the backward pass runs, on the fast path, on the whole batch's gradient at once;
+    vmap and the loop run it on each example's. A hook dividing by the gradient's norm made the fast path 0.41 off
+    (output_jacobian), the grad_fn pre-hook 0.28 off, and quantising saved tensors with one scale for the batch
+    1.4e-3 off (clipped_grad_sum). The fast path's first and last examples are now compared with those examples
+    alone; where they differ its answer is set aside, remembered, and `path="fast"` refuses."""
+    expected = flat(PER_EXAMPLE[recipe](BackwardHook(how), CE, X, T, path="loop"))
+    model = BackwardHook(how)
+    for _ in range(2):  # the second call goes off the fast path at once, for the remembered reason
+        result, report = PER_EXAMPLE[recipe](model, CE, X, T, report=True)
+        assert torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
+        assert report.path != "fast"
+        assert how == "saved tensors" or "the backward pass mixes the examples" in report.reason
+    with pytest.raises(ValueError, match=r"the fast path does not apply: example 0's (gradient|squared norm of its gradient|Jacobian) "
+                                         r"in the batch of 5 differs from its .* alone: the backward pass mixes the examples"):
+        PER_EXAMPLE[recipe](BackwardHook(how), CE, X, T, path="fast")
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+def test_a_hook_that_only_looks_keeps_the_fast_path_and_the_checks_run_once(recipe):
+    """A gradient hook that returns None changes nothing (FlopCounterMode's module tracker hangs such hooks on every
+    module's output): the fast path stays. The comparison with the end examples alone, like the other checks, runs
+    on the first call of a call signature only: later calls run the model once."""
+    model = BackwardHook("observer")
+    expected = flat(PER_EXAMPLE[recipe](model, CE, X, T, path="loop"))
+    passes = []
+    model.first.register_forward_pre_hook(lambda module, args: passes.append(args[0].shape[0]))
+    counts = []
+    for _ in range(3):
+        passes.clear()
+        result, report = PER_EXAMPLE[recipe](model, CE, X, T, report=True)
+        assert report.path == "fast" and torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
+        counts.append(passes.copy())
+    assert counts[0].count(1) == 4  # the end examples alone: for their outputs, then for their gradients
+    assert counts[1] == counts[2] == [5]  # the batch, traced
+
+
 def test_a_failed_trace_is_run_once_per_call_signature(monkeypatch):
     """The trace of a model the fast path refuses (an in-place ReLU on a recorded output) runs once for a call
     signature, not once a step, and again for another signature (another batch size, another mode); the

@@ -61,6 +61,10 @@ parameter before the call, with its         data (``_FunctionUses.premade``, ``_
 autograd graph (a view of a weight kept as  autograd carries its share of the gradient back to the
 an attribute or closed over by loss_fn;     parameter, which the fast path, vmap and the curvature
 inputs or targets computed from the model)  recipes do not follow; detached, it is a constant and answers
+a backward pass that mixes the examples     per-example recipes: vmap or the loop (they run it on each
+(a gradient hook on an activation that      example's gradient); the fast path's end examples are
+normalises the gradient it is given)        compared with those examples alone once per call signature
+                                            (``_trace._end_gradients_alone``); ``path='fast'``: ValueError
 a custom Function whose backward calls      ValueError naming them, for every recipe taking data
 backward() itself for parameters it         (``_model_kept``): every path would give them no
 returns no gradient for (a reentrant        gradient; their ``.grad`` (which it writes) is put back
@@ -178,6 +182,24 @@ class _GeneratorWatch(TorchFunctionMode):
         for key, (generator, state) in self.generators.items():
             if key in others:
                 generator.set_state(state)
+
+
+@contextlib.contextmanager
+def _generators_kept(model: Any, batch: "_Batch") -> Iterator[Callable[[], bool]]:
+    """Runs a check's extra passes of the model and leaves every generator they may draw from as it found it: the
+    default ones (torch.random.fork_rng), those the model holds (_held_generators) and any other a torch function
+    is passed (_GeneratorWatch). Yields a function telling whether the block has drawn random numbers so far (call
+    it inside the block): a pass that draws cannot be compared with another."""
+    module = model if isinstance(model, nn.Module) else None
+    cuda, held = (_cuda_devices(module, batch), _held_generators(module)) if module is not None else ([], [])
+    before, watch = _generator_states(cuda, held), _GeneratorWatch()
+    try:
+        with torch.random.fork_rng(devices=cuda), watch:
+            yield lambda: _drew_random_numbers(before, cuda, held) or bool(watch.others(held))
+    finally:
+        for generator, state in zip(held, before[1 + len(cuda):]):
+            generator.set_state(state)
+        watch.restore(held)
 
 
 def _set_generator_states(states: list[torch.Tensor], cuda: list[int], held: Sequence[torch.Generator] = ()) -> None:

@@ -9,13 +9,14 @@ path a recipe call took. Also copied, without this docstring, into the notebook 
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 from torch._C import _WeakTensorRef  # type: ignore[attr-defined]
 from torch.func import vmap
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -26,8 +27,8 @@ from ._batch import (
     _check_examples_apart,
     _cuda_devices,
     _detached,
-    _drew_random_numbers,
     _generator_states,
+    _generators_kept,
     _GeneratorWatch,
     _graph_nodes,
     _held_generators,
@@ -568,8 +569,8 @@ def _owner_rules(model: nn.Module, trainable: dict[str, nn.Parameter], need: str
     return found
 
 
-def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need: str, path: str,
-                      batch: _Batch) -> tuple[str | None, dict[str, tuple[_LayerRule, ...] | None] | None]:
+def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need: str, path: str, batch: _Batch,
+                      variant: Any = None) -> tuple[str | None, dict[str, tuple[_LayerRule, ...] | None] | None]:
     """Whether the fast path may apply, as far as is known before its trace: (None, owners) if it may, owners
     being _owner_rules(model, trainable, need), which the trace then checks every use against (so they are worked
     out once per call); otherwise (the reason, None): another path was asked for, a parameter belongs to a module
@@ -579,7 +580,8 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
     (_batch._check_examples_apart, remembered per call signature): the trace sees every operation but not the
     Python numbers a forward pass reads from a tensor, such as the batch's size (`h / x.shape[0]`) or `.tolist()`
     of its values; a model that runs on each example alone and on the batch, but not on two examples together,
-    depends on the batch's size, and the fast path steps aside (the reason returned)."""
+    depends on the batch's size, and the fast path steps aside (the reason returned); so does one whose backward
+    pass _end_gradients_alone found mixing the examples for this call signature (variant: output_jacobian's select)."""
     if path in ("vmap", "unroll", "loop"):
         return f"path={path!r} was asked for", None
     owners = _owner_rules(model, trainable, need)
@@ -599,6 +601,9 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
     size_read = _check_examples_apart(model, batch)
     if size_read:
         return size_read, None
+    mixed = _per_model(_FAILED, model, dict).get(_backward_key(model, batch, trainable, need, variant))
+    if mixed:  # _end_gradients_alone found the backward pass mixing the examples
+        return mixed, None
     return None, owners
 
 
@@ -672,27 +677,17 @@ def _end_rows_alone(model, memo, batch, output, key):
     checked = _per_model(_ROW_CHECKED, memo, set)
     if len(batch) < 2 or key is not None and key in checked:
         return None
-    module = memo if isinstance(memo, nn.Module) else None
-    cuda, held = (_cuda_devices(module, batch), _held_generators(module)) if module is not None else ([], [])
-    before, watch = _generator_states(cuda, held), _GeneratorWatch()
     ends = (0, len(batch) - 1)
     alone: list = []
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=cuda), watch:
+        with torch.enable_grad(), _generators_kept(memo, batch) as drew:
             alone = [_detached(batch.rows(slice(n, n + 1)).call(model)) for n in ends]
-            if _drew_random_numbers(before, cuda, held) or watch.others(held):
+            if drew():
                 alone = []  # random draws: nothing to compare
     except Exception:  # noqa: BLE001 (any error, no message read: the recipe's other paths meet it)
         alone = []
-    finally:
-        for generator, state in zip(held, before[1 + len(cuda):]):
-            generator.set_state(state)
-        watch.restore(held)
     together = _detached(output)
-    # under autocast, low-precision kernels round differently between batch sizes (a bfloat16 Llama's logits, upcast
-    # to float32, 3e-3 apart between one example and two): 16 roundings of the autocast dtype, as for its own outputs
-    low = [torch.get_autocast_dtype(d) for d in {t.device.type for t in batch.tensors()} | {"cpu"} if torch.is_autocast_enabled(d)]
-    slack = max((16 * torch.finfo(dtype).eps for dtype in low), default=0.0)
+    slack = _autocast_slack(batch)
     for n, one in zip(ends, alone):
         if len(one) != len(together):
             continue
@@ -702,6 +697,115 @@ def _end_rows_alone(model, memo, batch, output, key):
             return (f"example {n}'s output in the batch of {len(batch)} differs from its output alone, though two examples "
                     "agree: the forward pass reads a number from the whole batch (its size, say) that the trace cannot see")
     if key is not None and key[-1] is None:  # no select
+        checked.add(key)
+    return None
+
+
+def _autocast_slack(batch):
+    """The tolerance a comparison between batch sizes allows under autocast: low-precision kernels round differently
+    between batch sizes (a bfloat16 Llama's logits, upcast to float32, 3e-3 apart between one example and two), so
+    16 roundings of the autocast dtype, as for its own outputs; 0.0 without autocast."""
+    low = [torch.get_autocast_dtype(d) for d in {t.device.type for t in batch.tensors()} | {"cpu"} if torch.is_autocast_enabled(d)]
+    return max((16 * torch.finfo(dtype).eps for dtype in low), default=0.0)
+
+
+# Call signatures whose fast per-example gradients (or norms) were compared with their end examples' alone
+# (_end_gradients_alone), per model: {model: {key}}.
+_GRADS_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# The per-example gradients' comparison allows 1e-4 of the largest entry of the example's gradient in float32 (scaled
+# by the rounding unit of the coarsest dtype the pass computed in: float64's, or 16 roundings of a narrower one;
+# under autocast, _autocast_slack). Measured on
+# the six families of scripts/gpu_table.py (B = 16, T = 32, CPU), the batched and the lone passes' gradients, norms
+# and Jacobians differ by at most 4e-7 of that entry in float32, and 3.4e-3 under bfloat16 autocast (allowed 0.125).
+# A backward pass that mixes the examples changes them by far more (a hook dividing by the batch's norm: 0.4).
+_GRADIENT_TOLERANCE = 1e-4
+
+
+def _gradient_tolerance(eps):
+    """_GRADIENT_TOLERANCE for a rounding unit: scaled by it for float32's and finer, 16 roundings if coarser."""
+    single = torch.finfo(torch.float32).eps
+    return _GRADIENT_TOLERANCE * eps / single if eps <= single else 16 * eps
+
+
+class _CoarsestRounding(TorchFunctionMode):
+    """Notes the largest rounding unit among the floating results of the torch functions it sees: the precision a
+    pass computed in (a float64 model that casts to float32 inside computes in float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.eps = 0.0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in result if isinstance(result, (list, tuple)) else (result,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.eps = max(self.eps, torch.finfo(t.dtype).eps)
+        return result
+
+
+def _backward_key(model, batch, trainable, need, variant=None):
+    """The key a failed comparison of per-example gradients is remembered by in _FAILED (None: not remembered)."""
+    signature = _call_signature(model, batch)
+    return None if signature is None else (need + " backward", tuple(trainable), signature, variant)
+
+
+def _example_gradients(model, loss_fn, trainable, norms=False):
+    """For _end_gradients_alone: a function of one example (a _Batch of one) giving its gradients, one per trainable
+    parameter, by autograd as the loop finds them, or (norms=True) their squared norm, (1,)."""
+    params = list(trainable.values())
+
+    def alone(one):
+        found = torch.autograd.grad(_scalar_loss(one.loss(loss_fn, one.call(model))), params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, found)]
+        return [sum((g.square().sum() for g in grads), grads[0].new_zeros(())).reshape(1)] if norms else grads
+
+    return alone
+
+
+def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=None):
+    """None, or the reason the fast path's answer is set aside: its first and last examples' gradients (or squared
+    norms, or Jacobians) must agree with those examples' alone. found(n), alone(example n as a batch of one): the fast
+    path's and the lone example's, as lists of tensors (_example_gradients, or the loop's Jacobian). Why: the trace
+    follows the forward pass, but the backward pass also runs what the forward pass hung on it, on the whole batch's
+    gradient at once, where vmap and the loop run it on each example's: a gradient hook on an activation that mixes
+    the examples (h.register_hook(lambda g: g / g.norm())), a hook on a grad_fn. Compared to _GRADIENT_TOLERANCE
+    (more under autocast, as in _end_rows_alone). Cost: a forward and backward pass of each of two examples (Y
+    backward passes for a Jacobian), once per model and call signature, or on every call with output_jacobian's
+    select (variant, its id: as in _end_rows_alone). Where they differ, the reason is remembered (_FAILED,
+    _backward_key) and later calls go to the other paths at once (_fast_path_screen). Left undone, and remembered,
+    where a pass of one example raises or draws random numbers, as in _end_rows_alone. Not seen: a mixing that
+    leaves the end examples as they are alone, or, for the norms, moves them by less than the tolerance (saved-tensor
+    hooks that quantise with one scale for the whole batch: 1e-4 of the squared norms)."""
+    checked = _per_model(_GRADS_CHECKED, model, set)
+    key = _backward_key(model, batch, trainable, need, variant)
+    if len(batch) < 2 or key is not None and key in checked:
+        return None
+    ends, lone, rounding = (0, len(batch) - 1), [], _CoarsestRounding()
+    try:
+        with torch.enable_grad(), _generators_kept(model, batch) as drew, rounding:
+            lone = [alone(batch.example(n)) for n in ends]
+            if drew():
+                lone = []  # random draws: nothing to compare
+    except Exception:  # noqa: BLE001 (any error, no message read: the recipe's other paths meet it)
+        lone = []
+    for n, one in zip(ends, lone):
+        fast = [t.detach() for t in found(n)]
+        # relative to the example's largest entry over all its tensors: a gradient that is zero but for rounding (an
+        # attention key's bias: softmax ignores a shift) is 1e-20 in one pass and 5e-20 in the other
+        scale = max((t.abs().max().item() for t in fast if t.numel()), default=0.0)
+        tolerance = max(_gradient_tolerance(rounding.eps), _autocast_slack(batch))
+        if len(one) != len(fast) or not all(
+                a.shape == t.shape and torch.allclose(t, a.detach().to(t.dtype), rtol=tolerance, atol=tolerance * scale, equal_nan=True)
+                for t, a in zip(fast, one)):
+            what = {"norms": "squared norm of its gradient", "jacobian": "Jacobian"}.get(need, "gradient")
+            reason = (f"example {n}'s {what} in the batch of {len(batch)} differs from its {what} alone: the backward pass "
+                      "mixes the examples (a gradient hook on an activation, say), which vmap and the loop run on each "
+                      "example's gradient alone")
+            if key is not None:
+                _per_model(_FAILED, model, dict)[key] = reason
+            return reason
+    if key is not None and variant is None:
         checked.add(key)
     return None
 

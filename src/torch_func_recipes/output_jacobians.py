@@ -30,7 +30,7 @@ from ._batch import (
     _Unbatched,
 )
 from ._layers import _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
-from ._trace import PathReport, _check_path, _fast_path_screen, _traced_forward
+from ._trace import PathReport, _check_path, _end_gradients_alone, _fast_path_screen, _traced_forward
 from ._vmap_gaps import _with_fallbacks
 
 
@@ -101,20 +101,25 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
         step = chunk_size or size
         if select is not _identity:
             _check_select_apart(model, select, batch)
-        reason, owners = _fast_path_screen(model, trainable, "jacobian", path, batch)
+        variant = None if select is _identity else id(select)
+        reason, owners = _fast_path_screen(model, trainable, "jacobian", path, batch, variant)
         if reason is None:
             start = 0
             while start < size and reason is None:
                 rows = slice(start, start + step)
                 # a failed trace is remembered per select (by id: a false match costs the fast path, never correctness)
                 out, reason = _fast_jacobian_chunk(forward, model, trainable, batch.rows(rows), out, rows, size, total, owners,
-                                                   None if select is _identity else id(select))
+                                                   variant)
                 start += step
-            if reason is None:
+            if reason is None:  # the backward pass may still mix the examples: compared with the loop's ends
                 assert out is not None  # written by the first chunk
-                report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
-                                     "and every use of a trainable parameter is an operation its layer's rule covers")
-                return (out, report_) if report else out
+                written = out
+                reason = _end_gradients_alone(model, batch, trainable, "jacobian", lambda n: [written[n:n + 1]],
+                                              lambda one: [_loop_jacobian(forward, trainable, one, None, total)], variant)
+                if reason is None:
+                    report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
+                                         "and every use of a trainable parameter is an operation its layer's rule covers")
+                    return (written, report_) if report else written
         if path == "fast":
             raise ValueError(f"the fast path does not apply: {reason}")
         run_vmap = lambda module: _vmap_jacrev(module, select, trainable, batch, chunk_size, out, total)

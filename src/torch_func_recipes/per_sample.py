@@ -41,7 +41,16 @@ from ._batch import (
     _Unbatched,
 )
 from ._layers import _CrossTerms, _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
-from ._trace import PathReport, _changed_by_loss, _check_path, _fast_path_screen, _losses_of_each, _traced_forward
+from ._trace import (
+    PathReport,
+    _changed_by_loss,
+    _check_path,
+    _end_gradients_alone,
+    _example_gradients,
+    _fast_path_screen,
+    _losses_of_each,
+    _traced_forward,
+)
 from ._vmap_gaps import _with_fallbacks
 
 
@@ -133,6 +142,9 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
                 reason = _fast_chunk(model, trainable, loss_fn, batch.rows(rows), {n: t[rows] for n, t in result.items()}, owners)
                 if reason is not None:
                     break
+            if reason is None:  # the backward pass may still mix the examples: compared once per call signature
+                reason = _end_gradients_alone(model, batch, trainable, "grads", lambda n: [t[n] for t in result.values()],
+                                              _example_gradients(model, loss_fn, trainable))
             if reason is None:
                 if out is not None:
                     for name, t in result.items():
@@ -407,6 +419,9 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
         if reason is None:
             found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners)
             if found is not None:
+                reason = _end_gradients_alone(model, batch, trainable, "norms", lambda n: [found[0][n:n + 1]],
+                                              _example_gradients(model, loss_fn, trainable, norms=True))
+            if found is not None and reason is None:
                 squares, ghost, direct, _ = found
                 why = "a trace of the forward pass showed every operation keeps the examples apart"
                 norms = squares.clamp(min=0).sqrt()
@@ -812,6 +827,9 @@ def _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size
     if reason is None:
         found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, max_norm)
         if found is not None:
+            reason = _end_gradients_alone(model, batch, trainable, "norms", lambda n: [found[0][n:n + 1]],
+                                              _example_gradients(model, loss_fn, trainable, norms=True))
+        if found is not None and reason is None:
             return found[3], PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
     if path == "fast":
         raise ValueError(f"the fast path does not apply: {reason}")
