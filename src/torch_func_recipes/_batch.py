@@ -529,31 +529,24 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> str | None:
     if other is None:  # every example is the first one again: nothing to tell apart, and nothing remembered
         return None
     pair = slice(0, other + 1, other)  # examples 0 and `other`
-    held = _held_generators(model)
-    saved = [g.get_state() for g in held]
-    watch = _GeneratorWatch()  # and the generators the first pass draws from, wherever the model keeps them
     try:
-        cuda = _cuda_devices(model, batch)
-        # the caller's generators are left as they were (the default ones by fork_rng, those the model holds put
-        # back below); a pass that drew random numbers (dropout by F.dropout or a float rate, noise by hand, from one
-        # of them) cannot be compared with another, so the check is left undone, and remembered
-        with torch.enable_grad(), contextlib.ExitStack() as context, torch.random.fork_rng(devices=cuda):
+        # the caller's generators are left as they were (_generators_kept); a pass that drew random numbers (dropout by
+        # F.dropout or a float rate, noise by hand, from one of them) cannot be compared with another, so the check
+        # is left undone, and remembered
+        with torch.enable_grad(), contextlib.ExitStack() as context, _generators_kept(model, batch) as moved:
             for device in {t.device.type for t in batch.tensors()} | {"cpu"}:
                 if torch.is_autocast_enabled(device):
                     context.enter_context(torch.autocast(device, enabled=False))
-            before = _generator_states(cuda, held)
-            with watch:
-                try:
-                    together = _detached(batch.rows(pair).call(model))
-                except Exception:  # noqa: BLE001 (any error, no message read): does the model run on each alone?
-                    for n in (0, other):
-                        batch.rows(slice(n, n + 1)).call(model)  # if one raises too, the recipe's own path meets it
-                    raise _BatchSizeRead() from None
+            try:
+                together = _detached(batch.rows(pair).call(model))
+            except Exception:  # noqa: BLE001 (any error, no message read): does the model run on each alone?
+                for n in (0, other):
+                    batch.rows(slice(n, n + 1)).call(model)  # if one raises too, the recipe's own path meets it
+                raise _BatchSizeRead() from None
             # a moved generator, or one drawn from that the states do not cover, means random draws, or a pass that
             # re-seeds a generator and is deterministic: a second pass, from where the first left the generators,
             # gives other outputs only in the first case
-            drew = (_drew_random_numbers(before, cuda, held) or bool(watch.others(held))) and not _outputs_agree(
-                together, _detached(batch.rows(pair).call(model)))
+            drew = moved() and not _outputs_agree(together, _detached(batch.rows(pair).call(model)))
             if signature is not None:
                 _per_model(_DRAWS, model, dict)[signature] = drew
             if drew:
@@ -567,10 +560,6 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> str | None:
                 "as unbatched, which every example receives whole off the fast path, say), which the trace cannot see")
     except Exception:  # any error: the recipe's own path meets it and reports it (no message is read here)
         return None
-    finally:
-        for generator, state in zip(held, saved):
-            generator.set_state(state)
-        watch.restore(held)
     for k, joint in enumerate(together):
         if not (isinstance(joint, torch.Tensor) and joint.is_floating_point() and joint.dim() >= 1 and joint.shape[0] == 2):
             continue
@@ -836,18 +825,12 @@ def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = 
     if signature is not None and signature in passed:
         return
     trainable = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
-    held = _held_generators(model)
-    saved = [g.get_state() for g in held]
-    watch, uses = _GeneratorWatch(), _FunctionUses(trainable)
+    uses = _FunctionUses(trainable)
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=_cuda_devices(model, batch)), watch, uses:
+        with torch.enable_grad(), _generators_kept(model, batch), uses:
             output = tree_flatten(batch.rows(slice(0, 1)).call(model))[0]
     except Exception:  # noqa: BLE001 (any error: the recipe's own path meets it)
         return
-    finally:
-        for generator, state in zip(held, saved):
-            generator.set_state(state)
-        watch.restore(held)
     reached = {trainable[id(t)] for t in output if isinstance(t, torch.Tensor) and id(t) in trainable}
     for node in _graph_nodes(t.grad_fn for t in output if isinstance(t, torch.Tensor)):
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into

@@ -18,9 +18,8 @@ from ._batch import (
     _check_chunk_size,
     _check_model,
     _check_out_memory,
-    _cuda_devices,
     _first_other_example,
-    _held_generators,
+    _generators_kept,
     _Inputs,
     _model_kept,
     _outputs_agree,
@@ -154,14 +153,8 @@ def _check_select_apart(model, select, batch):
     passed = _per_model(_per_model(_SELECT_APART, select, weakref.WeakKeyDictionary), model, set)  # unremembered if unreferenceable
     if signature is not None and signature in passed:
         return
-    held = _held_generators(model)
-    saved = [g.get_state() for g in held]
-    try:
-        with torch.random.fork_rng(devices=_cuda_devices(model, batch)):
-            output = batch.rows(slice(0, other + 1, other)).call(model)
-    finally:
-        for generator, state in zip(held, saved):
-            generator.set_state(state)
+    with _generators_kept(model, batch):
+        output = batch.rows(slice(0, other + 1, other)).call(model)
     leaves, spec = tree_flatten(output)
     if not any(isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == 2 for t in leaves):
         return
