@@ -964,6 +964,30 @@ def test_a_hook_that_only_looks_keeps_the_fast_path_and_the_checks_run_once(reci
     assert counts[1] == counts[2] == [5]  # the batch, traced
 
 
+class Bag(nn.Module):
+    """Token ids averaged through an embedding, sparse or dense, then a linear layer."""
+
+    def __init__(self, sparse):
+        super().__init__()
+        torch.manual_seed(46)
+        self.embed, self.head = nn.Embedding(10, 4, sparse=sparse).double(), nn.Linear(4, 3).double()
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).mean(1))
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+@pytest.mark.parametrize("path", ["auto", "loop"])
+def test_a_sparse_embedding_answers_as_a_dense_one(recipe, path):
+    """nn.Embedding(sparse=True) gets sparse gradients from autograd: the loop failed writing them into its result
+    ("copy_() between dense and sparse Tensors", "reshape is not implemented for sparse tensors"), and the fast
+    path's comparison with the end examples alone failed comparing them. Every path now densifies them, as the
+    fast path's products are, and answers as the same model with a dense embedding."""
+    ids = torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(47))
+    expected = flat(PER_EXAMPLE[recipe](Bag(sparse=False), CE, ids, T, path=path))
+    assert torch.allclose(flat(PER_EXAMPLE[recipe](Bag(sparse=True), CE, ids, T, path=path)), expected, rtol=1e-12, atol=1e-14)
+
+
 def test_a_failed_trace_is_run_once_per_call_signature(monkeypatch):
     """The trace of a model the fast path refuses (an in-place ReLU on a recorded output) runs once for a call
     signature, not once a step, and again for another signature (another batch size, another mode); the

@@ -967,6 +967,12 @@ def _check_chunk_size(chunk_size: Any) -> None:
         raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
 
 
+def _dense_grads(grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """torch.autograd.grad's gradients as the recipes return them: zeros for a parameter the loss does not reach
+    (None), and dense where autograd gave a sparse one (nn.Embedding(sparse=True)), as every other path does."""
+    return [torch.zeros_like(p) if g is None else g.to_dense() if g.layout != torch.strided else g for p, g in zip(params, grads)]
+
+
 def _scalar_loss(loss: Any) -> torch.Tensor:
     """The loss of one example (or of a whole batch, in the curvature recipes), checked to be one number."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

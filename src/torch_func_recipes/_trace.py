@@ -26,6 +26,7 @@ from ._batch import (
     _call_signature,
     _check_examples_apart,
     _cuda_devices,
+    _dense_grads,
     _detached,
     _generator_states,
     _generators_kept,
@@ -756,8 +757,7 @@ def _example_gradients(model, loss_fn, trainable, norms=False):
     params = list(trainable.values())
 
     def alone(one):
-        found = torch.autograd.grad(_scalar_loss(one.loss(loss_fn, one.call(model))), params, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, found)]
+        grads = _dense_grads(torch.autograd.grad(_scalar_loss(one.loss(loss_fn, one.call(model))), params, allow_unused=True), params)
         return [sum((g.square().sum() for g in grads), grads[0].new_zeros(())).reshape(1)] if norms else grads
 
     return alone

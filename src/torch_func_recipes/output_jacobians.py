@@ -18,6 +18,7 @@ from ._batch import (
     _check_chunk_size,
     _check_model,
     _check_out_memory,
+    _dense_grads,
     _first_other_example,
     _generators_kept,
     _Inputs,
@@ -186,8 +187,8 @@ def _loop_jacobian(forward, trainable, batch, out, total):
             out[n].zero_()
             continue
         for j in range(output.shape[1]):
-            grads = torch.autograd.grad(output[0, j], params, retain_graph=True, allow_unused=True)
-            torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)], out=out[n, j])
+            grads = _dense_grads(torch.autograd.grad(output[0, j], params, retain_graph=True, allow_unused=True), params)
+            torch.cat([g.reshape(-1) for g in grads], out=out[n, j])
     return out
 
 

@@ -23,6 +23,7 @@ from ._batch import (
     _check_out_memory,
     _clip_factors,
     _cuda_devices,
+    _dense_grads,
     _drew_random_numbers,
     _generator_states,
     _GeneratorWatch,
@@ -177,8 +178,8 @@ def _loop_grads(model, trainable, loss_fn, batch, out):
     for n in range(len(batch)):
         one = batch.example(n)
         loss = _scalar_loss(one.loss(loss_fn, one.call(model)))
-        for name, g in zip(names, torch.autograd.grad(loss, params, allow_unused=True)):
-            result[name][n] = 0 if g is None else g
+        for name, g in zip(names, _dense_grads(torch.autograd.grad(loss, params, allow_unused=True), params)):
+            result[name][n] = g
     return result
 
 
@@ -814,7 +815,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
             raise ValueError("norms were given, but the model's forward pass draws random numbers (F.dropout, a dropout "
                              "rate, noise): the norms came from other draws, so the clipping bound would not hold; "
                              "leave norms out (one forward pass then gives both) or call model.eval()")
-    result = {name: (torch.zeros_like(p) if g is None else g) for (name, p), g in zip(trainable.items(), grads)}
+    result = dict(zip(trainable, _dense_grads(grads, list(trainable.values()))))
     return (result, how) if report else result
 
 
@@ -850,9 +851,9 @@ def _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size
         total = {name: torch.zeros_like(p) for name, p in trainable.items()}
         for n in range(len(batch)):
             one = batch.example(n)
-            grads = torch.autograd.grad(_scalar_loss(one.loss(loss_fn, one.call(model))), list(trainable.values()), allow_unused=True)
-            total = clip_and_add(total, {name: (torch.zeros_like(p) if g is None else g)[None]
-                                         for (name, p), g in zip(trainable.items(), grads)})
+            params = list(trainable.values())
+            grads = _dense_grads(torch.autograd.grad(_scalar_loss(one.loss(loss_fn, one.call(model))), params, allow_unused=True), params)
+            total = clip_and_add(total, {name: g[None] for name, g in zip(trainable, grads)})
         return total
     return _with_fallbacks(model, batch, path, run_vmap, run_loop, reason)
 
