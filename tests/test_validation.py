@@ -940,7 +940,7 @@ def test_a_backward_pass_that_mixes_the_examples_keeps_off_the_fast_path(recipe,
         assert torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
         assert report.path != "fast"
         assert how == "saved tensors" or "the backward pass mixes the examples" in report.reason
-    with pytest.raises(ValueError, match=r"the fast path does not apply: example 0's (gradient|squared norm of its gradient|Jacobian) "
+    with pytest.raises(ValueError, match=r"the fast path does not apply: example 0's (gradient|squared norm of its gradient|weighted sum of Jacobian rows) "
                                          r"in the batch of 5 differs from its .* alone: the backward pass mixes the examples"):
         PER_EXAMPLE[recipe](BackwardHook(how), CE, X, T, path="fast")
 
@@ -962,6 +962,29 @@ def test_a_hook_that_only_looks_keeps_the_fast_path_and_the_checks_run_once(reci
         counts.append(passes.copy())
     assert counts[0].count(1) == 4  # the end examples alone: for their outputs, then for their gradients
     assert counts[1] == counts[2] == [5]  # the batch, traced
+
+
+def test_output_jacobians_check_of_the_backward_pass_costs_one_backward_pass_per_example():
+    """output_jacobian compares the fast path's end examples with those examples alone through one weighted sum of
+    their Jacobian rows: one backward pass each, whatever Y is (their whole Jacobians would take Y each, and a
+    select makes the comparison run on every call)."""
+    torch.manual_seed(49)
+    body, head = nn.Linear(4, 6).double(), nn.Linear(6, 20).double()
+    seen = []
+
+    def forward(self, x):
+        h = torch.tanh(body(x))
+        if h.requires_grad:
+            h.register_hook(lambda g: seen.append(g.shape[0]))  # only looks
+        return head(h)
+
+    model = type("Wide", (nn.Module,), {"forward": forward})()
+    model.body, model.head = body, head
+    for _ in range(2):
+        seen.clear()
+        result, report = tfr.output_jacobian(model, X, select=lambda out: out[:, :15], report=True)
+        assert report.path == "fast" and result.shape == (5, 15, 4 * 6 + 6 + 6 * 20 + 20)
+        assert seen.count(1) == 2  # the two lone examples' backward passes
 
 
 class Bag(nn.Module):

@@ -765,14 +765,15 @@ def _example_gradients(model, loss_fn, trainable, norms=False):
 
 def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=None):
     """None, or the reason the fast path's answer is set aside: its first and last examples' gradients (or squared
-    norms, or Jacobians) must agree with those examples' alone. found(n), alone(example n as a batch of one): the fast
-    path's and the lone example's, as lists of tensors (_example_gradients, or the loop's Jacobian). Why: the trace
+    norms, or Jacobian rows weighted and summed) must agree with those examples' alone. found(n), alone(example n as a
+    batch of one): the fast path's and the lone example's, as lists of tensors (_example_gradients, or
+    output_jacobians._weighted_row). Why: the trace
     follows the forward pass, but the backward pass also runs what the forward pass hung on it, on the whole batch's
     gradient at once, where vmap and the loop run it on each example's: a gradient hook on an activation that mixes
     the examples (h.register_hook(lambda g: g / g.norm())), a hook on a grad_fn. Compared to _GRADIENT_TOLERANCE
-    (more under autocast, as in _end_rows_alone). Cost: a forward and backward pass of each of two examples (Y
-    backward passes for a Jacobian), once per model and call signature, or on every call with output_jacobian's
-    select (variant, its id: as in _end_rows_alone). Where they differ, the reason is remembered (_FAILED,
+    (more under autocast, as in _end_rows_alone). Cost: a forward and backward pass of each of two examples, once
+    per model and call signature, or on every call with output_jacobian's select (variant, its id: as in
+    _end_rows_alone). Where they differ, the reason is remembered (_FAILED,
     _backward_key) and later calls go to the other paths at once (_fast_path_screen). Left undone, and remembered,
     where a pass of one example raises or draws random numbers, as in _end_rows_alone. Not seen: a mixing that
     leaves the end examples as they are alone, or, for the norms, moves them by less than the tolerance (saved-tensor
@@ -798,7 +799,7 @@ def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=No
         if len(one) != len(fast) or not all(
                 a.shape == t.shape and torch.allclose(t, a.detach().to(t.dtype), rtol=tolerance, atol=tolerance * scale, equal_nan=True)
                 for t, a in zip(fast, one)):
-            what = {"norms": "squared norm of its gradient", "jacobian": "Jacobian"}.get(need, "gradient")
+            what = {"norms": "squared norm of its gradient", "jacobian": "weighted sum of Jacobian rows"}.get(need, "gradient")
             reason = (f"example {n}'s {what} in the batch of {len(batch)} differs from its {what} alone: the backward pass "
                       "mixes the examples (a gradient hook on an activation, say), which vmap and the loop run on each "
                       "example's gradient alone")

@@ -114,8 +114,9 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
             if reason is None:  # the backward pass may still mix the examples: compared with the loop's ends
                 assert out is not None  # written by the first chunk
                 written = out
-                reason = _end_gradients_alone(model, batch, trainable, "jacobian", lambda n: [written[n:n + 1]],
-                                              lambda one: [_loop_jacobian(forward, trainable, one, None, total)], variant)
+                weights = torch.linspace(1.0, 2.0, written.shape[1], dtype=written.dtype, device=written.device)
+                reason = _end_gradients_alone(model, batch, trainable, "jacobian", lambda n: [weights @ written[n]],
+                                              lambda one: [_weighted_row(forward, trainable, one, weights)], variant)
                 if reason is None:
                     report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
                                          "and every use of a trainable parameter is an operation its layer's rule covers")
@@ -174,6 +175,19 @@ def _check_select_apart(model, select, batch):
                          "output has a Jacobian of its own; select each example's rows on their own")
     if signature is not None:
         passed.add(signature)
+
+
+def _weighted_row(forward, trainable, one, weights):
+    """weights @ (one example's Jacobian, (Y, P)), by one backward pass: what output_jacobian's comparison of the fast
+    path's end examples with those examples alone (_trace._end_gradients_alone) compares, at the cost of one backward
+    pass whatever Y is. The weights (1 to 2, distinct) leave no column out."""
+    params = list(trainable.values())
+    output = one.call(forward)
+    _output_rows(output, 1)
+    if not output.requires_grad:
+        return weights.new_zeros(sum(p.numel() for p in params))
+    grads = _dense_grads(torch.autograd.grad(output[0] @ weights.to(output.dtype), params, allow_unused=True), params)
+    return torch.cat([g.reshape(-1) for g in grads]).to(weights.dtype)
 
 
 def _loop_jacobian(forward, trainable, batch, out, total):
