@@ -152,7 +152,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "the names of every layer's and direction's weights in the fused kernel's order (projections and "
                "bias=False included), read by name so that functional_call's tensors are the ones used",
                None, lambda: nn.LSTM(1, 2, num_layers=2, bidirectional=True, proj_size=1)),
-    PrivateAPI("OpOverload._schema", "object attribute", ("_trace._BatchTrace.plan_of", "_trace._BatchTrace.values_of", "_trace._writes"),
+    PrivateAPI("OpOverload._schema", "object attribute", ("_trace._BatchTrace.plan_of", "_trace._values_of", "_trace._writes"),
                "the operator's schema names its arguments with their defaults and says which ones it writes into; "
                "the public OpOverload attributes (name(), tags) do not",
                None, lambda: torch.ops.aten.add_.Tensor),

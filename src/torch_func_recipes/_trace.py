@@ -99,7 +99,24 @@ def _tensors_in(values) -> list:
     return found
 
 
-_SCHEMAS: dict = {}  # operator -> [(argument name, has a default, the default)], for _BatchTrace.values_of
+_SCHEMAS: dict = {}  # operator -> [(argument name, has a default, the default)], for _values_of
+
+
+def _values_of(func, args, kwargs):
+    """{argument name: value} of one call, defaults filled in (the schema read once per operator)."""
+    schema = _SCHEMAS.get(func)
+    if schema is None:
+        schema = _SCHEMAS[func] = [(a.name, a.has_default_value(), a.default_value if a.has_default_value() else None)
+                                   for a in func._schema.arguments]
+    values = {}
+    for i, (name, has_default, default) in enumerate(schema):
+        if i < len(args):
+            values[name] = args[i]
+        elif name in kwargs:
+            values[name] = kwargs[name]
+        elif has_default:
+            values[name] = default
+    return values
 
 
 def _writes(func) -> tuple:
@@ -505,22 +522,7 @@ class _BatchTrace(TorchDispatchMode):
         self.trainable[result._cdata] = name
         return True
 
-    @staticmethod
-    def values_of(func, args, kwargs):
-        """{argument name: value} of one call, defaults filled in (the schema read once per operator)."""
-        schema = _SCHEMAS.get(func)
-        if schema is None:
-            schema = _SCHEMAS[func] = [(a.name, a.has_default_value(), a.default_value if a.has_default_value() else None)
-                                       for a in func._schema.arguments]
-        values = {}
-        for i, (name, has_default, default) in enumerate(schema):
-            if i < len(args):
-                values[name] = args[i]
-            elif name in kwargs:
-                values[name] = kwargs[name]
-            elif has_default:
-                values[name] = default
-        return values
+    values_of = staticmethod(_values_of)  # for the layer rules: trace.values_of(func, args, kwargs)
 
     @classmethod
     def dims_of(cls, func, args, kwargs):
