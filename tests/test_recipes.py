@@ -248,19 +248,6 @@ def test_output_jacobian_and_ntk(recipes, name):
     assert close(recipes["empirical_ntk"](model, x[:3], x[3:]), torch.einsum("aip,bjp->abij", expected[:3], expected[3:]))
 
 
-def test_empirical_ntk_takes_a_batch_of_token_ids(recipes):
-    """Token ids of shape (N,) are N examples, as output_jacobian takes them; empirical_ntk refused them as no batch.
-    A 0-d tensor is still refused."""
-    torch.manual_seed(48)
-    model = nn.Sequential(nn.Embedding(7, 4), nn.Tanh(), nn.Linear(4, 3)).double()
-    ids = torch.tensor([1, 5, 2, 6, 0])
-    J = recipes["output_jacobian"](model, ids)
-    assert J.shape == (5, 3, 7 * 4 + 4 * 3 + 3)
-    assert close(recipes["empirical_ntk"](model, ids[:2], ids[2:]), torch.einsum("aip,bjp->abij", J[:2], J[2:]))
-    with pytest.raises(ValueError, match=r"x1 must be a batch of inputs .*, got \(\)"):
-        recipes["empirical_ntk"](model, torch.tensor(3), ids)
-
-
 def buggy_gru(m, x):
     """A genuine mistake in forward (adding a (2, 6) tensor to a (B, 6) state): the loop meets it too, and raises it."""
     h = m.rnn(x)[0][:, -1]

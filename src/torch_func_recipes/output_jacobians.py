@@ -348,7 +348,7 @@ def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor) -> torch
         True
     """
     for name, x in (("x1", x1), ("x2", x2)):
-        if not isinstance(x, torch.Tensor) or x.dim() < 1:  # (N,) token ids are N examples
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
             raise ValueError(f"{name} must be a batch of inputs (a tensor with a batch dimension first), "
                              f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     j1, j2 = output_jacobian(model, x1), output_jacobian(model, x2)
