@@ -713,7 +713,8 @@ class _FunctionUses(TorchFunctionMode):
 
 
 def _graph_reaches(tensors: Iterable[Any], params: Mapping[int, Any]) -> set[Any]:
-    """The values of params ({id(parameter): value}) whose parameters the autograd graphs of tensors reach."""
+    """The values of params ({id(parameter): value}) whose parameters the autograd graphs of tensors reach (an
+    AccumulateGrad node's variable is the leaf it accumulates into)."""
     return {params[id(variable)] for node in _graph_nodes(t.grad_fn for t in tensors if isinstance(t, torch.Tensor))
             if id(variable := getattr(node, "variable", None)) in params}
 
@@ -831,11 +832,7 @@ def _check_parameters_reached(model: nn.Module, batch: _Batch, remember: bool = 
             output = tree_flatten(batch.rows(slice(0, 1)).call(model))[0]
     except Exception:  # noqa: BLE001 (any error: the recipe's own path meets it)
         return
-    reached = {trainable[id(t)] for t in output if isinstance(t, torch.Tensor) and id(t) in trainable}
-    for node in _graph_nodes(t.grad_fn for t in output if isinstance(t, torch.Tensor)):
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
-        if variable is not None and id(variable) in trainable:
-            reached.add(trainable[id(variable)])
+    reached = {trainable[id(t)] for t in output if isinstance(t, torch.Tensor) and id(t) in trainable} | _graph_reaches(output, trainable)
     if uses.premade:
         raise _made_before([name for name in trainable.values() if name in uses.premade], "the forward pass")
     unreached = [name for name in trainable.values() if name in uses.found and name not in reached]

@@ -31,7 +31,7 @@ from ._batch import (
     _generator_states,
     _generators_kept,
     _GeneratorWatch,
-    _graph_nodes,
+    _graph_reaches,
     _held_generators,
     _hooked_parameters,
     _module_backward_hook,
@@ -257,6 +257,7 @@ class _BatchTrace(TorchDispatchMode):
         # inputs: the tensors with examples; they and the parameters stay alive through the call (keep)
         self.batch, self.rows, self.keep = batch, {x._cdata: 1 for x in inputs}, [*inputs, *trainable.values()]
         self.trainable = {p._cdata: name for name, p in trainable.items()}
+        self.by_id = {id(p): name for name, p in trainable.items()}  # for _graph_reaches, as autograd's nodes hold them
         # key of every tensor met -> a weak reference that keeps the key its own (class docstring); keeping the tensors
         # would hold every intermediate of the forward pass (on a small Llama, half a batch gradient's memory more)
         self.refs = dict.fromkeys([*self.rows, *self.trainable])
@@ -288,8 +289,7 @@ class _BatchTrace(TorchDispatchMode):
         if ref is not None and not ref.expired():
             self.fail(f"{func} uses a tensor that shares memory with example data but was made by no operation the trace "
                       "saw (through .numpy() and torch.from_numpy, say, or a tensor autograd saved)")
-        if t.grad_fn is not None and any(getattr(getattr(node, "variable", None), "_cdata", None) in self.trainable
-                                         for node in _graph_nodes((t.grad_fn,))):
+        if t.grad_fn is not None and _graph_reaches([t], self.by_id):
             self.fail(f"{func} uses a tensor computed from a trainable parameter before the call (a view of a weight "
                       "kept as an attribute, say), whose share of the gradient no layer rule sees")
         self.refs[t._cdata] = _WeakTensorRef(t)
@@ -604,7 +604,8 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
     size_read = _check_examples_apart(model, batch)
     if size_read:
         return size_read, None
-    mixed = _per_model(_FAILED, model, dict).get(_backward_key(model, batch, trainable, need, variant))
+    failed = _FAILED.get(model)  # the key (a call signature) is worked out only where something failed before
+    mixed = failed.get(_backward_key(model, batch, trainable, need, variant)) if failed else None
     if mixed:  # _end_gradients_alone found the backward pass mixing the examples
         return mixed, None
     return None, owners
@@ -718,9 +719,9 @@ _GRADS_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # The per-example gradients' comparison allows 1e-4 of the largest entry of the example's gradient in float32 (scaled
 # by the rounding unit of the coarsest dtype the pass computed in: float64's, or 16 roundings of a narrower one;
-# under autocast, _autocast_slack). Measured on
-# the six families of scripts/gpu_table.py (B = 16, T = 32, CPU), the batched and the lone passes' gradients, norms
-# and Jacobians differ by at most 4e-7 of that entry in float32, and 3.4e-3 under bfloat16 autocast (allowed 0.125).
+# under autocast, _autocast_slack). Measured on the six families of scripts/gpu_table.py (B = 16, T = 32, CPU), the
+# batched and the lone passes' gradients, norms and Jacobians differ by at most 4e-7 of that entry in float32, and
+# 3.4e-3 under bfloat16 autocast (allowed 0.125).
 # A backward pass that mixes the examples changes them by far more (a hook dividing by the batch's norm: 0.4).
 _GRADIENT_TOLERANCE = 1e-4
 
@@ -754,13 +755,14 @@ def _backward_key(model, batch, trainable, need, variant=None):
 
 
 def _example_gradients(model, loss_fn, trainable, norms=False):
-    """For _end_gradients_alone: a function of one example (a _Batch of one) giving its gradients, one per trainable
-    parameter, by autograd as the loop finds them, or (norms=True) their squared norm, (1,)."""
+    """The loop's step: a function of one example (a _Batch of one) giving its gradients by autograd, one per trainable
+    parameter, or (norms=True) their squared norm, (1,). The per-example loops and _end_gradients_alone use it."""
     params = list(trainable.values())
 
     def alone(one):
-        grads = _dense_grads(torch.autograd.grad(_scalar_loss(one.loss(loss_fn, one.call(model))), params, allow_unused=True), params)
-        return [sum((g.square().sum() for g in grads), grads[0].new_zeros(())).reshape(1)] if norms else grads
+        loss = _scalar_loss(one.loss(loss_fn, one.call(model)))
+        grads = _dense_grads(torch.autograd.grad(loss, params, allow_unused=True), params)
+        return [sum((g.square().sum() for g in grads), loss.new_zeros(())).reshape(1)] if norms else grads
 
     return alone
 
@@ -769,14 +771,13 @@ def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=No
     """None, or the reason the fast path's answer is set aside: its first and last examples' gradients (or squared
     norms, or Jacobian rows weighted and summed) must agree with those examples' alone. found(n), alone(example n as a
     batch of one): the fast path's and the lone example's, as lists of tensors (_example_gradients, or
-    output_jacobians._weighted_row). Why: the trace
-    follows the forward pass, but the backward pass also runs what the forward pass hung on it, on the whole batch's
-    gradient at once, where vmap and the loop run it on each example's: a gradient hook on an activation that mixes
-    the examples (h.register_hook(lambda g: g / g.norm())), a hook on a grad_fn. Compared to _GRADIENT_TOLERANCE
-    (more under autocast, as in _end_rows_alone). Cost: a forward and backward pass of each of two examples, once
-    per model and call signature, or on every call with output_jacobian's select (variant, its id: as in
-    _end_rows_alone). Where they differ, the reason is remembered (_FAILED,
-    _backward_key) and later calls go to the other paths at once (_fast_path_screen). Left undone, and remembered,
+    output_jacobians._weighted_row). Why: the trace follows the forward pass, but the backward pass also runs what
+    the forward pass hung on it, on the whole batch's gradient at once, where vmap and the loop run it on each
+    example's: a gradient hook on an activation that mixes the examples (h.register_hook(lambda g: g / g.norm())), a
+    hook on a grad_fn. Compared to _GRADIENT_TOLERANCE (more under autocast, as in _end_rows_alone). Cost: a forward
+    and backward pass of each of two examples, once per model and call signature, or on every call with
+    output_jacobian's select (variant, its id: as in _end_rows_alone). Where they differ, the reason is remembered
+    (_FAILED, _backward_key) and later calls go to the other paths at once (_fast_path_screen). Left undone, and remembered,
     where a pass of one example raises or draws random numbers, as in _end_rows_alone. Not seen: a mixing that
     leaves the end examples as they are alone, or, for the norms, moves them by less than the tolerance (saved-tensor
     hooks that quantise with one scale for the whole batch: 1e-4 of the squared norms)."""
@@ -792,12 +793,12 @@ def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=No
                 lone = []  # random draws: nothing to compare
     except Exception:  # noqa: BLE001 (any error, no message read: the recipe's other paths meet it)
         lone = []
+    tolerance = max(_gradient_tolerance(rounding.eps), _autocast_slack(batch))
     for n, one in zip(ends, lone):
         fast = [t.detach() for t in found(n)]
         # relative to the example's largest entry over all its tensors: a gradient that is zero but for rounding (an
         # attention key's bias: softmax ignores a shift) is 1e-20 in one pass and 5e-20 in the other
         scale = max((t.abs().max().item() for t in fast if t.numel()), default=0.0)
-        tolerance = max(_gradient_tolerance(rounding.eps), _autocast_slack(batch))
         if len(one) != len(fast) or not all(
                 a.shape == t.shape and torch.allclose(t, a.detach().to(t.dtype), rtol=tolerance, atol=tolerance * scale, equal_nan=True)
                 for t, a in zip(fast, one)):

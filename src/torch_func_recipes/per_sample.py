@@ -173,12 +173,10 @@ def per_sample_grads(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
 
 def _loop_grads(model, trainable, loss_fn, batch, out):
     """One forward and backward pass per example, each written into its row of the result."""
-    names, params = list(trainable), list(trainable.values())
     result = out if out is not None else {name: p.new_empty((len(batch), *p.shape)) for name, p in trainable.items()}
+    alone = _example_gradients(model, loss_fn, trainable)
     for n in range(len(batch)):
-        one = batch.example(n)
-        loss = _scalar_loss(one.loss(loss_fn, one.call(model)))
-        for name, g in zip(names, _dense_grads(torch.autograd.grad(loss, params, allow_unused=True), params)):
+        for name, g in zip(trainable, alone(batch.example(n))):
             result[name][n] = g
     return result
 
@@ -660,13 +658,8 @@ def _squared_norms_by_vmap(model, loss_fn, batch, layers, streamed, chunk_size):
 
 
 def _squared_norms_by_loop(model, loss_fn, batch, trainable):
-    squares = []
-    for n in range(len(batch)):
-        one = batch.example(n)
-        loss = _scalar_loss(one.loss(loss_fn, one.call(model)))
-        grads = torch.autograd.grad(loss, list(trainable.values()), allow_unused=True)
-        squares.append(sum((g.square().sum() for g in grads if g is not None), loss.new_zeros(())))
-    return torch.stack(squares)
+    alone = _example_gradients(model, loss_fn, trainable, norms=True)
+    return torch.cat([alone(batch.example(n))[0] for n in range(len(batch))])
 
 
 def clipped_noisy_gradient(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None = None, targets: Any = None, *, max_norm: float,
@@ -849,11 +842,9 @@ def _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size
 
     def run_loop():
         total = {name: torch.zeros_like(p) for name, p in trainable.items()}
+        alone = _example_gradients(model, loss_fn, trainable)
         for n in range(len(batch)):
-            one = batch.example(n)
-            params = list(trainable.values())
-            grads = _dense_grads(torch.autograd.grad(_scalar_loss(one.loss(loss_fn, one.call(model))), params, allow_unused=True), params)
-            total = clip_and_add(total, {name: g[None] for name, g in zip(trainable, grads)})
+            total = clip_and_add(total, {name: g[None] for name, g in zip(trainable, alone(batch.example(n)))})
         return total
     return _with_fallbacks(model, batch, path, run_vmap, run_loop, reason)
 
