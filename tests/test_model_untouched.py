@@ -3,7 +3,8 @@ parameter and buffer is compared byte for byte, and so are each module's trainin
 attributes and the parameters' .grad and requires_grad. Models with buffers (BatchNorm in eval mode, with
 running statistics away from their initial values, and a buffer of the model's own), with a GRU (which
 the per-example recipes run on a stand-in), and with buffers its own forward pass and a backward hook write
-into (put back by _batch._model_kept) go through every data-taking recipe."""
+into (put back by _batch._model_kept; one through .data, with a Python call counter and a buffer registered
+lazily besides) go through every data-taking recipe."""
 import pytest
 import torch
 import torch.nn as nn
@@ -38,13 +39,17 @@ class Recurrent(nn.Module):
 
 class WritesItsBuffers(nn.Module):
     """A forward pass that keeps a running mean of its hidden layer by hand, in place, and a backward hook that
-    adds up the head's output gradients into another buffer: every call of the model changes them."""
+    adds up the head's output gradients into another buffer: every call of the model changes them. The forward
+    pass also counts its calls in a buffer written through .data (which moves no version counter) and in a Python
+    attribute, and registers a buffer when it has none."""
 
     def __init__(self, backward_hook=True):
         super().__init__()
         self.encode, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
         self.register_buffer("seen", torch.zeros(6))
         self.register_buffer("backward_total", torch.zeros(()))
+        self.register_buffer("calls_through_data", torch.zeros(()))
+        self.calls = 0
         if backward_hook:
             self.head.register_full_backward_hook(self.count)
 
@@ -56,6 +61,10 @@ class WritesItsBuffers(nn.Module):
         h = torch.tanh(self.encode(x)).mean(1)
         with torch.no_grad():
             self.seen.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        self.calls_through_data.data.add_(1)
+        self.calls += 1
+        if "registered_lazily" not in self._buffers:
+            self.register_buffer("registered_lazily", torch.ones(()))
         return self.head(h)
 
 
@@ -64,6 +73,7 @@ def build(kind, backward_hook=True):
     model = (WritesItsBuffers(backward_hook) if kind == "writes" else {"buffers": WithBuffers, "recurrent": Recurrent}[kind]()).double()
     if kind == "writes":
         model(X).sum().backward()  # the buffers and every .grad away from their initial values
+        del model.registered_lazily  # the next call registers it again
     if kind == "buffers":
         with torch.no_grad():  # running statistics and the own buffer away from their initial values
             model(X)
@@ -84,6 +94,8 @@ def snapshot(model):
         "training": {k: m.training for k, m in model.named_modules()},
         "hooks": {k: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for k, m in model.named_modules()},
         "attributes": {k: sorted(vars(m)) for k, m in model.named_modules()},
+        "values": {k: {name: v for name, v in vars(m).items() if isinstance(v, (bool, int, float, str))}
+                   for k, m in model.named_modules()},
         "forward": {k: type(m).forward for k, m in model.named_modules()},
     }
 
@@ -128,6 +140,14 @@ def test_the_snapshot_sees_each_kind_of_change():
                lambda m: setattr(m.head, "note", 1), lambda m: m.calls.add_(1)]
     for change in changes:
         model = build("buffers")
+        before = snapshot(model)
+        change(model)
+        assert snapshot(model) != before
+    # what WritesItsBuffers' forward pass changes besides its running mean, each on its own
+    changes = [lambda m: m.calls_through_data.data.add_(1), lambda m: setattr(m, "calls", m.calls + 1),
+               lambda m: m.register_buffer("registered_lazily", torch.ones(()))]
+    for change in changes:
+        model = build("writes")
         before = snapshot(model)
         change(model)
         assert snapshot(model) != before

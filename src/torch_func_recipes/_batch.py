@@ -75,8 +75,8 @@ own (``Tensor.register_hook``)              each example's gradient; ``path='fas
                                             curvature recipes: ValueError (it changes gradients, not
                                             the loss whose curvature they measure)
 a forward pass or hook that writes into a   every recipe puts the buffer back (``_model_kept``) and
-buffer, or a hook that writes ``.grad``     refuses a written ``.grad`` (ValueError; ``.grad`` put
-                                            back); Python attributes (a call counter) are not kept
+buffer or an attribute (a call counter),    refuses a written ``.grad`` (ValueError; ``.grad`` put
+or a hook that writes ``.grad``             back); an attribute rebound or added is put back too
 no parameter requires grad                  ValueError for every recipe
 called inside ``torch.no_grad()`` or        every recipe computes as outside them (gradients are
 ``torch.inference_mode()``                  enabled inside the call; inference tensors are copied);
@@ -93,6 +93,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import operator
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Union
@@ -876,7 +877,12 @@ def _model_kept(model: Any) -> Any:
       zero, silently; or a hook that writes .grad.
     - each buffer, copied on the way in (a model's buffers are small: running statistics, position ids; 4 kB on
       the ResNet of scripts/gpu_table.py, none on its GPT-2): one a forward pass or hook changed in place (a
-      running statistic kept by hand, spectral_norm's power iteration in training mode) or replaced is put back.
+      running statistic kept by hand, spectral_norm's power iteration in training mode), through .data (which
+      moves no version: the values are compared), or replaced is put back; one registered during the call is
+      removed.
+    - each module's own attributes (its __dict__, shallow): one rebound during the call (a call counter,
+      `self.calls += 1`; the training flag; spectral_norm's weight, recomputed by every forward pass) is set back
+      to the object it held, and one added is removed.
 
     - the parameters, which are not copied (P numbers): a model whose forward pass writes into one is refused
       before anything runs where that is known (nn.Embedding or nn.EmbeddingBag with max_norm, which renormalises
@@ -884,10 +890,12 @@ def _model_kept(model: Any) -> Any:
       after the call (ValueError naming it; its values are not put back).
 
     Meanwhile, _Batch.loss refuses a loss_fn that reads one of the model's trainable parameters (_LOSS_READS).
-    Not put back: the model's Python attributes (a call counter), and a parameter changed through .data. An error
-    raised inside is raised as it is, after all is put back."""
+    Not put back: a parameter changed through .data (its P numbers are not copied), and what an attribute's object
+    holds when changed in place (a list appended to). An error raised inside is raised as it is, after all is put
+    back."""
     params: dict[int, nn.Parameter] = {}  # one walk of the modules (named_parameters and named_buffers cost 4x more)
     buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
+    found: list[tuple[nn.Module, dict[str, Any], set[str]]] = []  # each module's attributes and buffer names
     for module in model.modules() if isinstance(model, nn.Module) else ():
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
             name = next(n for n, m in model.named_modules() if m is module)
@@ -898,6 +906,7 @@ def _model_kept(model: Any) -> Any:
         params.update((id(p), p) for p in module._parameters.values() if p is not None)
         buffers.extend((module, name, b) for name, b in module._buffers.items()
                        if b is not None and not isinstance(b, nn.parameter.UninitializedBuffer))
+        found.append((module, dict(vars(module)), set(module._buffers)))
     versions = {key: p._version for key, p in params.items() if not p.is_inference()}
     with torch.inference_mode(False), torch.no_grad():  # an inference tensor has no version, and nothing writes it here
         copies = [(b._version, b.clone()) if not b.is_inference() else (None, None) for _, _, b in buffers]
@@ -915,8 +924,11 @@ def _model_kept(model: Any) -> Any:
         for p, grad in zip(params.values(), saved):
             if p.grad is not grad:
                 p.grad = grad
-        changed = [(b, copy) for (module, name, b), (version, copy) in zip(buffers, copies)
-                   if copy is not None and b._version != version]
+        for module, attributes, buffer_names in found:
+            _put_back_attributes(module, attributes, buffer_names)
+        with torch.inference_mode(False), torch.no_grad():
+            changed = [(b, copy) for (module, name, b), (version, copy) in zip(buffers, copies)
+                       if copy is not None and (b._version != version or not _same_values(b, copy))]
         for module, name, b in buffers:
             if module._buffers.get(name) is not b:  # replaced, or deleted
                 module._buffers[name] = b
@@ -940,6 +952,36 @@ def _model_kept(model: Any) -> Any:
                          "path would give them none, or a hook writes .grad; use torch.utils.checkpoint(..., "
                          "use_reentrant=False), or return their gradients from the Function's backward (the model's "
                          ".grad is left as it was)")
+
+
+def _put_back_attributes(module: nn.Module, attributes: dict[str, Any], names: set[str]) -> None:
+    """module's own attributes as they were (attributes: a shallow copy of its __dict__), and its buffers
+    registered since (not in names) removed: for _model_kept."""
+    now = vars(module)
+    # the usual case first, at C speed: the same names in the same order, each holding the same object
+    if not (len(now) == len(attributes) and all(map(operator.is_, now.values(), attributes.values()))
+            and now.keys() == attributes.keys()):
+        for name in [name for name in now if name not in attributes]:  # added during the call
+            del now[name]
+        for name, value in attributes.items():
+            if name not in now or now[name] is not value:  # rebound, or deleted
+                now[name] = value
+    if not module._buffers.keys() <= names:
+        for name in [name for name in module._buffers if name not in names]:  # registered during the call
+            delattr(module, name)
+
+
+def _same_values(b: torch.Tensor, copy: torch.Tensor) -> bool:
+    """Whether buffer b still holds its copy's values: same shape and dtype, equal entries, NaN where the copy has
+    NaN (a write through .data moves no version counter). Called with autograd off, outside inference_mode."""
+    if b.shape != copy.shape or b.dtype != copy.dtype or b.device != copy.device:
+        return False
+    if torch.equal(b, copy):
+        return True
+    if not (b.is_floating_point() or b.is_complex()):
+        return False
+    nan = copy.isnan()
+    return torch.equal(b.isnan(), nan) and torch.equal(b.masked_fill(nan, 0), copy.masked_fill(nan, 0))
 
 
 def _gradients_enabled(recipe: Callable[..., Any]) -> Callable[..., Any]:

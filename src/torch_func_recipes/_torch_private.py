@@ -101,9 +101,10 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "included, which named_parameters(recurse=False) would drop as a duplicate; read in one walk of the "
                "modules, it costs a quarter of named_parameters()",
                "module.named_parameters(recurse=False, remove_duplicate=False)", lambda: nn.Linear(1, 1)),
-    PrivateAPI("Module._buffers", "object attribute", ("_batch._model_kept",),
+    PrivateAPI("Module._buffers", "object attribute", ("_batch._model_kept", "_batch._put_back_attributes"),
                "maps each module's own buffers by their short names, so that a buffer a forward pass replaced or "
-               "deleted is put back under its name as a buffer (setattr would make a deleted one a plain attribute); "
+               "deleted is put back under its name as a buffer (setattr would make a deleted one a plain attribute), and "
+               "one it registered (None included) is found and removed; "
                "read in one walk of the modules, it costs a fifth of named_buffers(recurse=False) per module",
                "module.named_buffers(recurse=False, remove_duplicate=False)", lambda: nn.BatchNorm1d(1)),
     PrivateAPI("torch._C._functions", "import", ("curvature._differentiable_backward.check.hook",),

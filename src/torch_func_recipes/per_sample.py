@@ -43,7 +43,9 @@ from ._batch import (
 )
 from ._layers import _CrossTerms, _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
 from ._trace import (
+    _FAILED,
     PathReport,
+    _backward_key,
     _changed_by_loss,
     _check_path,
     _end_gradients_alone,
@@ -732,7 +734,11 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
     clipped and summed: memory ``chunk_size`` examples' gradients, the whole batch's when ``chunk_size`` is None.
     With ``norms`` given, one backward pass of the reweighted loss on a new forward pass (``"vmap"`` and
     ``"loop"`` as above, without chunks): pass ``norms`` only for a model without randomness, whose forward
-    passes agree (a forward pass that draws random numbers is refused).
+    passes agree (a forward pass that draws random numbers is refused). Weighting the losses weights the
+    gradients only where the backward pass is linear in the weights and keeps the examples apart; once per call
+    signature and path, each end example's gradient through its loss weighted by 1/2 is compared with half its
+    gradient alone, and where they differ (a gradient hook that normalises or clamps what it is given) each chunk's
+    per-example gradients are weighted instead (memory as above).
 
     Args:
         model, loss_fn, inputs, targets, unbatched, chunk_size, path, keyword_inputs: as in :func:`per_sample_grad_norms`.
@@ -793,12 +799,16 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
                 output, _, reason = _traced_forward(model, batch, trainable, "norms", owners)
             if output is not None:
                 losses = _losses_of_each(loss_fn, output, batch)
-                grads = torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), list(trainable.values()), allow_unused=True)
-                how = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
-            elif path == "fast":
-                raise ValueError(f"the fast path does not apply: {reason}")
-            else:
-                grads, how = _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason)
+                reason = _reweighting_exact(model, loss_fn, batch, trainable, losses, "fast")
+                if reason is None:
+                    grads = torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), list(trainable.values()),
+                                                allow_unused=True)
+                    how = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
+                del output, losses
+            if reason is not None:
+                if path == "fast":
+                    raise ValueError(f"the fast path does not apply: {reason}")
+                grads, how = _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason, chunk_size)
         # a generator the states do not cover was drawn from: a draw, unless the examples' check ran this signature
         # twice and found it deterministic (a generator the model makes and seeds in forward)
         unknown = bool(watch.others(held)) and not _seen_deterministic(model, batch)
@@ -827,41 +837,83 @@ def _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size
             return found[3], PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
     if path == "fast":
         raise ValueError(f"the fast path does not apply: {reason}")
+    return _weighted_sum_of_examples(model, loss_fn, batch, trainable, chunk_size, path, reason, max_norm=max_norm)
 
-    def clip_and_add(total, grads):  # grads: {name: (n, *shape)}, n examples' gradients
-        squares = torch.stack([_row_squares(g) for g in grads.values()]).sum(0)
-        weights = _clip_factors(squares.sqrt(), max_norm)
-        return {name: total[name] + torch.tensordot(weights, g, dims=1) for name, g in grads.items()}
+
+def _weighted_sum_of_examples(model, loss_fn, batch, trainable, chunk_size, path, reason, max_norm=None, weights=None):
+    """sum_i w_i g_i and its PathReport from each chunk's per-example gradients (vmap, with recurrent layers unrolled;
+    where that raised, one example at a time): w_i = min(1, max_norm / (n_i + 1e-6)) from each example's own
+    gradient, or the weights given (a (B,) tensor)."""
+
+    def weigh_and_add(total, grads, start):  # grads: {name: (n, *shape)}, the gradients of examples start, start + 1, ...
+        if weights is None:
+            squares = torch.stack([_row_squares(g) for g in grads.values()]).sum(0)
+            factors = _clip_factors(squares.sqrt(), max_norm)
+        else:
+            factors = weights[start:start + len(next(iter(grads.values())))]
+        return {name: total[name] + torch.tensordot(factors.to(g.dtype), g, dims=1) for name, g in grads.items()}
 
     def run_vmap(module):  # the model, or the unroll's stand-in for it: chunk_size examples' gradients at a time
         total = {name: torch.zeros_like(p) for name, p in trainable.items()}
         step = chunk_size or len(batch)
         for start in range(0, len(batch), step):
-            total = clip_and_add(total, _vmap_grad(module, trainable, loss_fn, batch.rows(slice(start, start + step)), None))
+            total = weigh_and_add(total, _vmap_grad(module, trainable, loss_fn, batch.rows(slice(start, start + step)), None), start)
         return total
 
     def run_loop():
         total = {name: torch.zeros_like(p) for name, p in trainable.items()}
         alone = _example_gradients(model, loss_fn, trainable)
         for n in range(len(batch)):
-            total = clip_and_add(total, {name: g[None] for name, g in zip(trainable, alone(batch.example(n)))})
+            total = weigh_and_add(total, {name: g[None] for name, g in zip(trainable, alone(batch.example(n)))}, n)
         return total
     return _with_fallbacks(model, batch, path, run_vmap, run_loop, reason)
 
 
-def _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason):
-    """The gradient of sum_i weights[i] * loss_i, each loss on a batch of one, and its PathReport: under vmap
-    (per_sample_grads' driver: the path asked for, or recurrent layers unrolled), else, where that raised, one
-    example at a time."""
+def _reweighting_exact(model, loss_fn, batch, trainable, losses, path):
+    """None, or why the gradient of sum_i w_i * losses_i, on this path (losses: its (B,) losses with their graph), is
+    not sum_i w_i g_i: a backward pass that is not linear in the weights (a gradient hook that normalises or clamps
+    what it is given) or that mixes the examples (on the fast path and under vmap, one backward pass runs on every
+    example's rows at once). How: _end_gradients_alone, with twice the gradient of each end example's loss weighted by
+    1/2 among the batch's (the others' weights 0) for that example's gradient; once per model, call signature and
+    path, and remembered either way."""
+    failed = _FAILED.get(model)
+    need = f"reweighted on the {path} path"
+    remembered = failed.get(_backward_key(model, batch, trainable, need)) if failed else None
+    if remembered:
+        return remembered
     params = list(trainable.values())
+
+    def found(n):  # the loop's examples have graphs of their own: only example n's is walked
+        got = torch.autograd.grad(0.5 * losses[n], params, retain_graph=True, allow_unused=True)
+        return [2 * g for g in _dense_grads(got, params)]
+
+    return _end_gradients_alone(model, batch, trainable, need, found, _example_gradients(model, loss_fn, trainable), least=1)
+
+
+def _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason, chunk_size):
+    """The gradient of sum_i weights[i] * loss_i, each loss on a batch of one, as a list (one per trainable
+    parameter), and its PathReport: under vmap (per_sample_grads' driver: the path asked for, or recurrent layers
+    unrolled), else, where that raised, one example at a time. Where reweighting the losses is not exact on the path
+    that ran (_reweighting_exact), sum_i weights[i] g_i from each chunk's per-example gradients instead."""
+    params, inexact = list(trainable.values()), []
+
+    def reweighted(losses, where):
+        why = _reweighting_exact(model, loss_fn, batch, trainable, losses, where)
+        if why is not None:
+            inexact.append(why)
+            return None
+        return torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), params, allow_unused=True)
 
     def by_vmap(module):  # every example's loss on a batch of one, in one batched forward pass, then one backward pass
         loss_of_one, in_dims, values = batch.per_example(lambda _, one: _scalar_loss(one.loss(loss_fn, one.call(module))))
-        losses = vmap(loss_of_one, in_dims=(None, *in_dims), randomness="different")(None, *values)
-        return torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), params, allow_unused=True)
+        return reweighted(vmap(loss_of_one, in_dims=(None, *in_dims), randomness="different")(None, *values), "vmap")
 
     def by_loop():
-        examples = (batch.example(n) for n in range(len(batch)))
-        weighted = sum(w * _scalar_loss(one.loss(loss_fn, one.call(model))) for one, w in zip(examples, weights))
-        return torch.autograd.grad(weighted, params, allow_unused=True)
-    return _with_fallbacks(model, batch, path, by_vmap, by_loop, reason)
+        return reweighted(torch.stack([_scalar_loss(one.loss(loss_fn, one.call(model)))
+                                       for one in (batch.example(n) for n in range(len(batch)))]), "loop")
+
+    grads, how = _with_fallbacks(model, batch, path, by_vmap, by_loop, reason)
+    if grads is None:
+        total, how = _weighted_sum_of_examples(model, loss_fn, batch, trainable, chunk_size, path, inexact[-1], weights=weights)
+        grads = [total[name] for name in trainable]
+    return grads, how
