@@ -94,6 +94,9 @@ def snapshot(model):
         "training": {k: m.training for k, m in model.named_modules()},
         "hooks": {k: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for k, m in model.named_modules()},
         "attributes": {k: sorted(vars(m)) for k, m in model.named_modules()},
+        "modules": {k: id(m) for k, m in model.named_modules()},
+        "parameter hooks": {k: len(p._backward_hooks or {}) for k, p in model.named_parameters()},
+        "buffers": {(k, b): None if v is None else as_bytes(v) for k, m in model.named_modules() for b, v in m._buffers.items()},
         "values": {k: {name: v for name, v in vars(m).items() if isinstance(v, (bool, int, float, str))}
                    for k, m in model.named_modules()},
         "forward": {k: type(m).forward for k, m in model.named_modules()},
@@ -187,3 +190,68 @@ def test_a_model_that_writes_its_parameters_is_refused(recipe):
         model.encode.weight.mul_(10)
     with pytest.raises(ValueError, match=r"^parameter encode.weight was written in place during the call"):
         ALL[recipe](model, F.cross_entropy, X, T)
+
+
+class ChangesItsStructure(nn.Module):
+    """A forward pass that changes what the model is made of, one way per `how`, as models do: a submodule built on
+    the first call (a plain attribute None until then), a parameter made on the first call, a forward hook or a
+    gradient hook on a parameter registered by every call, a buffer None until the first call fills it, a buffer cast
+    to the input's dtype through .data, a parameter frozen by the forward pass."""
+
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(44)
+        self.encode, self.head, self.how, self.extra = nn.Linear(4, 6).double(), nn.Linear(6, 3).double(), how, None
+        self.register_buffer("cache", None, persistent=False)
+        self.register_buffer("scale", torch.ones(3))  # float32
+
+    def forward(self, x):
+        h = torch.tanh(self.encode(x)).mean(1)
+        if self.how == "lazy submodule" and self.extra is None:
+            self.extra = nn.Identity()
+        if self.how == "lazy parameter" and "temperature" not in self._parameters:
+            self.temperature = nn.Parameter(torch.ones((), dtype=torch.float64))
+        if self.how == "forward hook":
+            self.head.register_forward_hook(lambda module, args, out: None)
+        if self.how == "parameter hook" and self.head.weight.requires_grad:
+            self.head.weight.register_hook(lambda g: g)
+        if self.how == "None buffer filled" and self.cache is None:
+            self.cache = torch.ones(3, dtype=x.dtype)
+        if self.how == "buffer cast through .data":
+            self.scale.data = self.scale.data.to(x.dtype)
+        if self.how == "frozen by forward":
+            self.encode.bias.requires_grad_(False)
+        return self.head(h) * (self.scale.to(x.dtype) if self.cache is None else self.cache)
+
+
+STRUCTURE = ["lazy submodule", "lazy parameter", "forward hook", "parameter hook", "None buffer filled",
+             "buffer cast through .data", "frozen by forward"]
+
+
+@pytest.mark.parametrize("how", STRUCTURE)
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_a_forward_pass_that_changes_the_models_structure_leaves_it_as_it_was(recipe, how):
+    """What such a forward pass did (the recipes run it several times: the trace, the checks, the loop) is undone,
+    whether the recipe answers or raises (a parameter frozen during the call, say: autograd's error). An
+    adversarial review found each left behind; a shallow put-back of the attributes alone made the lazy submodule
+    worse: the attribute None again, the submodule still registered."""
+    model = ChangesItsStructure(how)
+    before = snapshot(model)
+    if how == "frozen by forward":  # every pass would differentiate another set of parameters: refused
+        with pytest.raises(ValueError, match=r"^parameter encode.bias had requires_grad switched during the call"):
+            ALL[recipe](model, F.cross_entropy, X, T)
+    else:
+        try:
+            ALL[recipe](model, F.cross_entropy, X, T)
+        except (ValueError, RuntimeError):  # the lazy parameter: not among those the call began with
+            pass
+    assert snapshot(model) == before
+
+
+def test_the_snapshot_sees_each_change_of_structure():
+    """The comparison can fail: each way ChangesItsStructure changes the model is seen when its forward runs once."""
+    for how in STRUCTURE:
+        model = ChangesItsStructure(how)
+        before = snapshot(model)
+        model(X)
+        assert snapshot(model) != before, how

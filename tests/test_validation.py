@@ -945,38 +945,57 @@ def test_a_backward_pass_that_mixes_the_examples_keeps_off_the_fast_path(recipe,
         PER_EXAMPLE[recipe](BackwardHook(how), CE, X, T, path="fast")
 
 
-@pytest.mark.parametrize("how", ["tensor hook", "node prehook", "saved tensors", "observer"])
+class ClampsOneExample(nn.Module):
+    """A gradient hook that clamps the hidden activation's gradient, which bites only for example 2 (its target is
+    far off): per-row, so it keeps the examples apart, but it is not linear in the gradient it is given."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(46)
+        self.first, self.head = nn.Linear(4, 6).double(), nn.Linear(6, 2).double()
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        if h.requires_grad:
+            h.register_hook(lambda g: g.clamp(-0.5, 0.5))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("how", ["tensor hook", "node prehook", "saved tensors", "observer", "clamp"])
 @pytest.mark.parametrize("path", ["auto", "vmap", "loop"])
-def test_a_clipped_sum_with_norms_given_weights_the_gradients_not_only_the_losses(how, path):
-    """With norms given, clipped_grad_sum weights each example's loss by its clip factor and runs one backward pass:
-    that weights the gradients only where the backward pass is linear in the losses' weights and keeps the examples
-    apart. A hook dividing by the norm of the gradient it is given undoes the weights (and on the fast path and under
-    vmap, where one backward pass runs on every example's rows, mixes them): 1.37 times the largest entry off on the
-    fast path, 0.67 under vmap, 4.9 on the loop; quantising saved tensors with one scale for the batch, 2.8e-3 on the
-    fast path and under vmap (where vmap(grad) refuses them, as it now says). Each path now compares, once per call
-    signature, each end example's gradient through its loss weighted by 1/2 with half its gradient alone; where they
-    differ, each chunk's per-example gradients are weighted instead. A hook that only looks keeps the weighted losses (and the fast path)."""
-    each = tfr.per_sample_grads(BackwardHook(how), CE, X, T, path="loop")
+def test_a_clipped_sum_with_norms_given_weights_the_gradients_not_the_losses(how, path):
+    """With norms given, clipped_grad_sum weighted each example's loss by its clip factor and ran one backward pass:
+    that weights the gradients only where the backward pass is linear in the weights and keeps the examples apart. A
+    hook dividing by the norm of the gradient it is given undid the weights (and on the fast path and under vmap,
+    where one backward pass runs on every example's rows, mixed them): 1.37 times the largest entry off on the fast
+    path, 0.67 under vmap, 4.9 on the loop; saved-tensor hooks quantising with one scale for the batch, 2.8e-3 on the
+    fast path and under vmap; a clamp that bites only for a middle example, 1.22 on every path (an adversarial review
+    found it: a check of the end examples alone does not see it). The clip factors now weight each example's
+    gradient: on the fast path each layer's output gradient, as with norms=None; elsewhere each chunk's per-example
+    gradients. A backward pass that mixes the examples is found by the norms' check on the first call."""
+    model = ClampsOneExample() if how == "clamp" else BackwardHook(how)
+    mse = lambda out, t: F.mse_loss(out, t)  # noqa: E731
+    targets = torch.zeros(5, 2, dtype=torch.float64).index_fill_(0, torch.tensor([2]), 20.0) if how == "clamp" else T
+    loss = mse if how == "clamp" else CE
+    each = tfr.per_sample_grads(model, loss, X, targets, path="loop")
     norms = torch.cat([g.flatten(1) for g in each.values()], dim=1).norm(dim=1)
     factors = (0.5 / (norms + 1e-6)).clamp(max=1)
+    assert how != "clamp" or factors[2] < 1 and torch.all(factors[[0, 1, 3, 4]] == 1)  # only example 2 is clipped
     expected = flat({name: torch.tensordot(factors, g, dims=1) for name, g in each.items()})
-    model = BackwardHook(how)
     if how == "saved tensors" and path == "vmap":  # torch.func refuses saved-tensor hooks: an error, not an answer
         with pytest.raises(RuntimeError, match="saved tensor hooks"):
-            tfr.clipped_grad_sum(model, CE, X, T, max_norm=0.5, norms=norms, path=path)
+            tfr.clipped_grad_sum(model, loss, X, targets, max_norm=0.5, norms=norms, path=path)
         return
     for _ in range(2):  # the second call takes the remembered way at once
-        result, report = tfr.clipped_grad_sum(model, CE, X, T, max_norm=0.5, norms=norms, path=path, report=True)
+        result, report = tfr.clipped_grad_sum(model, loss, X, targets, max_norm=0.5, norms=norms, path=path, report=True)
         assert torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
-        if how == "observer":
-            assert report.path == ("fast" if path == "auto" else path)
-        elif how != "saved tensors" or path == "auto":  # the loop weights saved tensors' losses exactly; auto: vmap refuses them
-            assert report.path != "fast"
-            assert how == "saved tensors" or "weighting the losses does not weight the examples' gradients" in report.reason
-    if how != "observer" and path == "auto":
-        with pytest.raises(ValueError, match=r"^the fast path does not apply: example 0's gradient from the batch's losses "
-                                             r"weighted .* differs from half its gradient alone, reweighted on the fast path"):
-            tfr.clipped_grad_sum(BackwardHook(how), CE, X, T, max_norm=0.5, norms=norms, path="fast")
+        if path == "auto":
+            mixes = how in ("tensor hook", "node prehook", "saved tensors")
+            assert (report.path != "fast") == mixes
+            assert how == "saved tensors" or not mixes or "the backward pass mixes the examples" in report.reason
+    noisy = tfr.clipped_noisy_gradient(model, loss, X, targets, max_norm=0.5, norms=norms, noise_multiplier=0.0,
+                                       expected_batch_size=1, path=path)
+    assert torch.allclose(flat(noisy), expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("recipe", list(PER_EXAMPLE))

@@ -75,8 +75,9 @@ own (``Tensor.register_hook``)              each example's gradient; ``path='fas
                                             curvature recipes: ValueError (it changes gradients, not
                                             the loss whose curvature they measure)
 a forward pass or hook that writes into a   every recipe puts the buffer back (``_model_kept``) and
-buffer or an attribute (a call counter),    refuses a written ``.grad`` (ValueError; ``.grad`` put
-or a hook that writes ``.grad``             back); an attribute rebound or added is put back too
+buffer, an attribute (a call counter) or    refuses a written ``.grad`` (ValueError; ``.grad`` put
+registers a submodule, parameter or hook,   back); an attribute, submodule, parameter or hook added,
+or a hook that writes ``.grad``             replaced or removed is put back too
 no parameter requires grad                  ValueError for every recipe
 called inside ``torch.no_grad()`` or        every recipe computes as outside them (gradients are
 ``torch.inference_mode()``                  enabled inside the call; inference tensors are copied);
@@ -110,6 +111,11 @@ _Inputs = Union[torch.Tensor, tuple, list, Mapping[str, Any]]  # model(inputs), 
 _Unbatched = int | str | tuple | list  # positions or keys of inputs every example receives whole
 _LossFn = Callable[..., torch.Tensor]  # loss_fn(output, targets) or loss_fn(output): a 0-d tensor
 _Grads = dict[str, torch.Tensor]  # {parameter name: tensor}, in named_parameters() order
+
+# The dicts and sets nn.Module.__init__ makes (_parameters, _buffers, _modules, the hook dicts, the names of
+# non-persistent buffers): what registering a parameter, buffer, submodule or hook changes in place. Found from a
+# bare module, not named, so that _model_kept puts back whatever this release keeps there.
+_MODULE_CONTAINERS = tuple(name for name, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))
 
 # Modules whose forward in training mode draws random numbers.
 _RANDOM_IN_TRAINING = (nn.modules.dropout._DropoutNd, nn.RReLU)
@@ -878,11 +884,14 @@ def _model_kept(model: Any) -> Any:
     - each buffer, copied on the way in (a model's buffers are small: running statistics, position ids; 4 kB on
       the ResNet of scripts/gpu_table.py, none on its GPT-2): one a forward pass or hook changed in place (a
       running statistic kept by hand, spectral_norm's power iteration in training mode), through .data (which
-      moves no version: the values are compared), or replaced is put back; one registered during the call is
-      removed.
+      moves no version: the values are compared; a dtype it gave is put back too), or replaced is put back.
     - each module's own attributes (its __dict__, shallow): one rebound during the call (a call counter,
       `self.calls += 1`; the training flag; spectral_norm's weight, recomputed by every forward pass) is set back
-      to the object it held, and one added is removed.
+      to the object it held, and one added is removed; and the contents of the dicts and sets nn.Module keeps its
+      parameters, buffers, submodules and hooks in, so that one registered, replaced or removed during the call (a
+      head built on the first call, a hook registered by every forward pass, a buffer filled in where it was None)
+      is as it was. Each parameter's gradient hooks (Tensor.register_hook) likewise, and its requires_grad: one
+      switched during the call is put back and the call refused (ValueError naming it).
 
     - the parameters, which are not copied (P numbers): a model whose forward pass writes into one is refused
       before anything runs where that is known (nn.Embedding or nn.EmbeddingBag with max_norm, which renormalises
@@ -895,7 +904,7 @@ def _model_kept(model: Any) -> Any:
     back."""
     params: dict[int, nn.Parameter] = {}  # one walk of the modules (named_parameters and named_buffers cost 4x more)
     buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
-    found: list[tuple[nn.Module, dict[str, Any], set[str]]] = []  # each module's attributes and buffer names
+    found: list[tuple[nn.Module, dict[str, Any], list[Any]]] = []  # each module's attributes, its containers' contents
     for module in model.modules() if isinstance(model, nn.Module) else ():
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
             name = next(n for n, m in model.named_modules() if m is module)
@@ -906,8 +915,11 @@ def _model_kept(model: Any) -> Any:
         params.update((id(p), p) for p in module._parameters.values() if p is not None)
         buffers.extend((module, name, b) for name, b in module._buffers.items()
                        if b is not None and not isinstance(b, nn.parameter.UninitializedBuffer))
-        found.append((module, dict(vars(module)), set(module._buffers)))
+        attributes = dict(vars(module))
+        found.append((module, attributes, [(held, held.copy()) for held in map(attributes.get, _MODULE_CONTAINERS) if held is not None]))
     versions = {key: p._version for key, p in params.items() if not p.is_inference()}
+    flags = {key: p.requires_grad for key, p in params.items()}
+    hooks = {key: tuple(p._backward_hooks) for key, p in params.items() if p._backward_hooks}  # the keys of each one's hooks
     with torch.inference_mode(False), torch.no_grad():  # an inference tensor has no version, and nothing writes it here
         copies = [(b._version, b.clone()) if not b.is_inference() else (None, None) for _, _, b in buffers]
     saved = [p.grad for p in params.values()]
@@ -924,18 +936,30 @@ def _model_kept(model: Any) -> Any:
         for p, grad in zip(params.values(), saved):
             if p.grad is not grad:
                 p.grad = grad
-        for module, attributes, buffer_names in found:
-            _put_back_attributes(module, attributes, buffer_names)
+        for module, attributes, containers in found:
+            _put_back_attributes(module, attributes, containers)
+        switched = [p for key, p in params.items() if p.requires_grad != flags[key]]  # by the model's own code
+        for p in switched:
+            p.requires_grad_(not p.requires_grad)
+        for key, p in params.items():
+            if p._backward_hooks and len(p._backward_hooks) != len(hooks.get(key, ())):  # a gradient hook registered
+                for handle in [handle for handle in p._backward_hooks if handle not in hooks.get(key, ())]:
+                    del p._backward_hooks[handle]
         with torch.inference_mode(False), torch.no_grad():
             changed = [(b, copy) for (module, name, b), (version, copy) in zip(buffers, copies)
                        if copy is not None and (b._version != version or not _same_values(b, copy))]
-        for module, name, b in buffers:
-            if module._buffers.get(name) is not b:  # replaced, or deleted
-                module._buffers[name] = b
-        if changed:
-            with torch.inference_mode(False), torch.no_grad():
-                for b, copy in changed:
-                    (b.resize_(copy.shape) if b.shape != copy.shape else b).copy_(copy)  # resized in place: put back too
+            for b, copy in changed:
+                if b.dtype != copy.dtype or b.device != copy.device:  # its .data replaced by another dtype's
+                    b.data = copy
+                else:  # resized in place: put back too
+                    (b.resize_(copy.shape) if b.shape != copy.shape else b).copy_(copy)
+        if switched:  # raised whether the call answered or failed (autograd's error is then its __context__)
+            ids = {id(p) for p in switched}
+            switched_names = [name for name, p in model.named_parameters() if id(p) in ids]
+            raise ValueError(f"parameter {', '.join(switched_names[:3])}{' and more' if len(switched_names) > 3 else ''} had requires_grad "
+                             "switched during the call by the model's own code (a forward pass or a hook): the recipes "
+                             "differentiate the parameters that require grad when the call starts, so each pass would "
+                             "differentiate another set; it is put back; freeze or unfreeze parameters before the call")
     moved = {key for key, version in versions.items() if params[key]._version != version}
     if moved:
         moved_names = [name for name, p in model.named_parameters() if id(p) in moved]
@@ -954,9 +978,10 @@ def _model_kept(model: Any) -> Any:
                          ".grad is left as it was)")
 
 
-def _put_back_attributes(module: nn.Module, attributes: dict[str, Any], names: set[str]) -> None:
-    """module's own attributes as they were (attributes: a shallow copy of its __dict__), and its buffers
-    registered since (not in names) removed: for _model_kept."""
+def _put_back_attributes(module: nn.Module, attributes: dict[str, Any], containers: list[tuple[Any, Any]]) -> None:
+    """module's own attributes as they were (attributes: a shallow copy of its __dict__), and the contents of the
+    dicts and sets nn.Module keeps its parameters, buffers, submodules and hooks in (containers: (the container, a
+    copy of its contents)): for _model_kept."""
     now = vars(module)
     # the usual case first, at C speed: the same names in the same order, each holding the same object
     if not (len(now) == len(attributes) and all(map(operator.is_, now.values(), attributes.values()))
@@ -966,9 +991,15 @@ def _put_back_attributes(module: nn.Module, attributes: dict[str, Any], names: s
         for name, value in attributes.items():
             if name not in now or now[name] is not value:  # rebound, or deleted
                 now[name] = value
-    if not module._buffers.keys() <= names:
-        for name in [name for name in module._buffers if name not in names]:  # registered during the call
-            delattr(module, name)
+    for held, contents in containers:  # a submodule, parameter, buffer or hook registered, replaced or removed
+        if isinstance(held, dict):
+            same = (len(held) == len(contents) and all(map(operator.is_, held.values(), contents.values()))
+                    and held.keys() == contents.keys())
+        else:
+            same = held == contents
+        if not same:
+            held.clear()
+            held.update(contents)
 
 
 def _same_values(b: torch.Tensor, copy: torch.Tensor) -> bool:

@@ -101,11 +101,9 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "included, which named_parameters(recurse=False) would drop as a duplicate; read in one walk of the "
                "modules, it costs a quarter of named_parameters()",
                "module.named_parameters(recurse=False, remove_duplicate=False)", lambda: nn.Linear(1, 1)),
-    PrivateAPI("Module._buffers", "object attribute", ("_batch._model_kept", "_batch._put_back_attributes"),
-               "maps each module's own buffers by their short names, so that a buffer a forward pass replaced or "
-               "deleted is put back under its name as a buffer (setattr would make a deleted one a plain attribute), and "
-               "one it registered (None included) is found and removed; "
-               "read in one walk of the modules, it costs a fifth of named_buffers(recurse=False) per module",
+    PrivateAPI("Module._buffers", "object attribute", ("_batch._model_kept",),
+               "maps each module's own buffers (None included) by their short names: the ones whose values are "
+               "copied on the way in and compared on the way out; read in one walk of the modules, it costs a fifth of named_buffers(recurse=False) per module",
                "module.named_buffers(recurse=False, remove_duplicate=False)", lambda: nn.BatchNorm1d(1)),
     PrivateAPI("torch._C._functions", "import", ("curvature._differentiable_backward.check.hook",),
                "autograd's node types; its Error is the node a once_differentiable backward hangs its gradients "
@@ -139,7 +137,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "no public API says whether a module has forward pre-hooks, which may change its input and so "
                "rule out the direct per-example product",
                None, lambda: nn.Linear(1, 1)),
-    PrivateAPI("Module._backward_hooks", "object attribute", (*_SCREEN, "_batch._hooked_parameters"),
+    PrivateAPI("Module._backward_hooks", "object attribute", (*_SCREEN, "_batch._hooked_parameters", "_batch._model_kept"),
                "no public API says whether a module has backward hooks, which the fast path would skip and the "
                "curvature recipes refuse, nor whether a "
                "parameter has gradient hooks of its own (Tensor.register_hook keeps them in its _backward_hooks too), "

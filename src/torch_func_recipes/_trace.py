@@ -767,7 +767,14 @@ def _example_gradients(model, loss_fn, trainable, norms=False):
     return alone
 
 
-def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=None, least=2):
+def _gradients_checked(model, batch, trainable, need, variant=None):
+    """Whether _end_gradients_alone has nothing to do for this call: a batch of one, or a call signature it
+    compared before (and remembered)."""
+    key = _backward_key(model, batch, trainable, need, variant)
+    return len(batch) < 2 or key is not None and key in _per_model(_GRADS_CHECKED, model, set)
+
+
+def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=None):
     """None, or the reason the fast path's answer is set aside: its first and last examples' gradients (or squared
     norms, or Jacobian rows weighted and summed) must agree with those examples' alone. found(n), alone(example n as a
     batch of one): the fast path's and the lone example's, as lists of tensors (_example_gradients, or
@@ -783,9 +790,9 @@ def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=No
     hooks that quantise with one scale for the whole batch: 1e-4 of the squared norms)."""
     checked = _per_model(_GRADS_CHECKED, model, set)
     key = _backward_key(model, batch, trainable, need, variant)
-    if len(batch) < least or key is not None and key in checked:
+    if len(batch) < 2 or key is not None and key in checked:
         return None
-    ends, lone, rounding = sorted({0, len(batch) - 1}), [], _CoarsestRounding()
+    ends, lone, rounding = (0, len(batch) - 1), [], _CoarsestRounding()
     try:
         with torch.enable_grad(), _generators_kept(model, batch) as drew, rounding:
             lone = [alone(batch.example(n)) for n in ends]
@@ -803,15 +810,9 @@ def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=No
                 a.shape == t.shape and torch.allclose(t, a.detach().to(t.dtype), rtol=tolerance, atol=tolerance * scale, equal_nan=True)
                 for t, a in zip(fast, one)):
             what = {"norms": "squared norm of its gradient", "jacobian": "weighted sum of Jacobian rows"}.get(need, "gradient")
-            if need.startswith("reweighted"):
-                reason = (f"example {n}'s gradient from the batch's losses weighted (its own by 1/2, the others' by 0) "
-                          f"differs from half its gradient alone, {need}: the backward pass is not linear in the losses' "
-                          "weights or mixes the examples (a gradient hook that normalises or clamps what it is given, "
-                          "say), so weighting the losses does not weight the examples' gradients")
-            else:
-                reason = (f"example {n}'s {what} in the batch of {len(batch)} differs from its {what} alone: the backward "
-                          "pass mixes the examples (a gradient hook on an activation, say), which vmap and the loop run on "
-                          "each example's gradient alone")
+            reason = (f"example {n}'s {what} in the batch of {len(batch)} differs from its {what} alone: the backward pass "
+                      "mixes the examples (a gradient hook on an activation, say), which vmap and the loop run on each "
+                      "example's gradient alone")
             if key is not None:
                 _per_model(_FAILED, model, dict)[key] = reason
             return reason

@@ -43,14 +43,13 @@ from ._batch import (
 )
 from ._layers import _CrossTerms, _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
 from ._trace import (
-    _FAILED,
     PathReport,
-    _backward_key,
     _changed_by_loss,
     _check_path,
     _end_gradients_alone,
     _example_gradients,
     _fast_path_screen,
+    _gradients_checked,
     _losses_of_each,
     _traced_forward,
 )
@@ -525,7 +524,7 @@ def _clipped_from_outputs(layers, kept, shares, weights, trainable):
     return [found.get(name) for name in trainable]
 
 
-def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, max_norm=None):
+def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, max_norm=None, weights=None):
     """On the batched forward and backward pass, where a trace shows each example's rows stay its own:
     ((B,) squared norms, ghost names, direct names, clipped sum or None), or None and the reason it does
     not apply. Each layer's output gradient is reduced to its share of the norms by a hook as soon as the
@@ -535,9 +534,11 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, ma
     weighted row by row by the clip factors: no second backward pass through the model, no per-example
     gradient larger than its layer's output gradient (a layer whose per-example gradients are no larger, a
     normalisation's scale and shift, keeps those instead: _small_shares), and the same forward pass (so the
-    same dropout masks)."""
+    same dropout masks). With weights (a (B,) tensor, in place of the clip factors), that weighted sum without the
+    norms: the squares returned are then zeros."""
     squares, how = [], {}
-    clipped: list[torch.Tensor | None] | None = None if max_norm is None else [None] * len(trainable)
+    book = max_norm is not None or weights is not None
+    clipped: list[torch.Tensor | None] | None = [None] * len(trainable) if book else None
     step = chunk_size or len(batch)
     for start in range(0, len(batch), step):
         part = batch.rows(slice(start, start + step))
@@ -559,22 +560,22 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, ma
 
         def take(k, g):
             layer = layers[k]  # noqa: F821 (ruff: `del layers` below; take runs before it)
-            small = None if clipped is None else _small_shares(layer, g, trainable, len(part))
-            if clipped is not None and small is None:
+            small = _small_shares(layer, g, trainable, len(part)) if book else None
+            if book and small is None:
                 kept[k] = g.detach()  # noqa: F821 (as above); in the output's dtype, cast where used
             g = _delta_in_dtype(layer, g)
             if small is not None:  # the per-example gradients themselves, for the norms and the clipped sum
                 each = {name: g.new_empty((len(part), *trainable[name].shape), dtype=trainable[name].dtype) for name in small}
                 _per_example_products(layer, g, each)
                 shares[k] = each  # noqa: F821 (as above)
-                for name, e in each.items():
+                for name, e in each.items() if weights is None else ():
                     chunk.add_(_row_squares(e))
                     how[name] = "direct"
-            else:
+            elif weights is None:
                 for name, s, kind in _layer_squares(layer, g, len(part)):
                     chunk.add_(s)
                     how[name] = kind
-            if cross.pairs:
+            if cross.pairs and weights is None:
                 between = cross.take(k, g)
                 if between is not None:
                     chunk.add_(between)
@@ -597,7 +598,8 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, ma
             take(k, torch.zeros_like(layers[k]["z"]))
         squares.append(chunk)
         if clipped is not None and total.requires_grad:  # book-keeping: each layer's output gradient, reweighted
-            grads = _clipped_from_outputs(layers, kept, shares, _clip_factors(chunk.clamp(min=0).sqrt(), max_norm), trainable)
+            factors = _clip_factors(chunk.clamp(min=0).sqrt(), max_norm) if weights is None else weights[start:start + len(part)]
+            grads = _clipped_from_outputs(layers, kept, shares, factors, trainable)
             clipped = [g if c is None else (c if g is None else c + g) for c, g in zip(clipped, grads)]
         del output, layers, deltas, kept, shares, losses, total
     result = None if clipped is None else {name: torch.zeros_like(p) if g is None else g
@@ -732,13 +734,12 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
     as their outputs, and no ``(B, *shape)`` tensor larger than its layer's output gradient. Elsewhere
     (``"vmap"``, ``"unroll"``, else ``"loop"``, one example at a time) each chunk's per-example gradients are
     clipped and summed: memory ``chunk_size`` examples' gradients, the whole batch's when ``chunk_size`` is None.
-    With ``norms`` given, one backward pass of the reweighted loss on a new forward pass (``"vmap"`` and
-    ``"loop"`` as above, without chunks): pass ``norms`` only for a model without randomness, whose forward
-    passes agree (a forward pass that draws random numbers is refused). Weighting the losses weights the
-    gradients only where the backward pass is linear in the weights and keeps the examples apart; once per call
-    signature and path, each end example's gradient through its loss weighted by 1/2 is compared with half its
-    gradient alone, and where they differ (a gradient hook that normalises or clamps what it is given) each chunk's
-    per-example gradients are weighted instead (memory as above).
+    With ``norms`` given, the same on a new forward pass, with the clip factors from ``norms`` (the norms are not
+    computed again, except on the first call of a call signature, whose norms' fast path is compared with its end
+    examples alone, as in :func:`per_sample_grad_norms`): pass ``norms`` only for a model without randomness, whose
+    forward passes agree (a forward pass that draws random numbers is refused). The factors weight each example's
+    gradient, never its loss: weighting the losses would weight the gradients only where the backward pass is linear
+    in the weights, and a gradient hook that clamps or normalises what it is given is not.
 
     Args:
         model, loss_fn, inputs, targets, unbatched, chunk_size, path, keyword_inputs: as in :func:`per_sample_grad_norms`.
@@ -792,23 +793,26 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
         weights = _clip_factors(norms.detach().clone(), max_norm)  # clone: norms made under inference_mode
         cuda, held = _cuda_devices(model, batch), _held_generators(model)
         before = _generator_states(cuda, held)  # a forward pass that draws random numbers is not the one the norms came from
-        output = None
         with _GeneratorWatch() as watch:  # the generators drawn from that the states do not cover (held deeper, global)
             reason, owners = _fast_path_screen(model, trainable, "norms", path, batch)
-            if reason is None:  # the plain batched forward, where a trace shows it exact
-                output, _, reason = _traced_forward(model, batch, trainable, "norms", owners)
-            if output is not None:
-                losses = _losses_of_each(loss_fn, output, batch)
-                reason = _reweighting_exact(model, loss_fn, batch, trainable, losses, "fast")
-                if reason is None:
-                    grads = torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), list(trainable.values()),
-                                                allow_unused=True)
-                    how = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
-                del output, losses
+            if reason is None and not _gradients_checked(model, batch, trainable, "norms"):
+                # the weighted sum gives no example's gradient to compare with the example alone: the norms' fast
+                # path is compared instead (once per call signature, as in per_sample_grad_norms), so a backward
+                # pass that mixes the examples keeps this call off the fast path too
+                found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners)
+                if found is not None:
+                    reason = _end_gradients_alone(model, batch, trainable, "norms", lambda n: [found[0][n:n + 1]],
+                                                  _example_gradients(model, loss_fn, trainable, norms=True))
+                del found
+            if reason is None:  # book-keeping with the given weights: each layer's output gradient, weighted
+                found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, weights=weights)
+                if found is not None:
+                    total, how = found[3], PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
             if reason is not None:
                 if path == "fast":
                     raise ValueError(f"the fast path does not apply: {reason}")
-                grads, how = _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason, chunk_size)
+                total, how = _weighted_sum_of_examples(model, loss_fn, batch, trainable, chunk_size, path, reason, weights=weights)
+            grads = [total[name] for name in trainable]
         # a generator the states do not cover was drawn from: a draw, unless the examples' check ran this signature
         # twice and found it deterministic (a generator the model makes and seeds in forward)
         unknown = bool(watch.others(held)) and not _seen_deterministic(model, batch)
@@ -867,53 +871,3 @@ def _weighted_sum_of_examples(model, loss_fn, batch, trainable, chunk_size, path
             total = weigh_and_add(total, {name: g[None] for name, g in zip(trainable, alone(batch.example(n)))}, n)
         return total
     return _with_fallbacks(model, batch, path, run_vmap, run_loop, reason)
-
-
-def _reweighting_exact(model, loss_fn, batch, trainable, losses, path):
-    """None, or why the gradient of sum_i w_i * losses_i, on this path (losses: its (B,) losses with their graph), is
-    not sum_i w_i g_i: a backward pass that is not linear in the weights (a gradient hook that normalises or clamps
-    what it is given) or that mixes the examples (on the fast path and under vmap, one backward pass runs on every
-    example's rows at once). How: _end_gradients_alone, with twice the gradient of each end example's loss weighted by
-    1/2 among the batch's (the others' weights 0) for that example's gradient; once per model, call signature and
-    path, and remembered either way."""
-    failed = _FAILED.get(model)
-    need = f"reweighted on the {path} path"
-    remembered = failed.get(_backward_key(model, batch, trainable, need)) if failed else None
-    if remembered:
-        return remembered
-    params = list(trainable.values())
-
-    def found(n):  # the loop's examples have graphs of their own: only example n's is walked
-        got = torch.autograd.grad(0.5 * losses[n], params, retain_graph=True, allow_unused=True)
-        return [2 * g for g in _dense_grads(got, params)]
-
-    return _end_gradients_alone(model, batch, trainable, need, found, _example_gradients(model, loss_fn, trainable), least=1)
-
-
-def _reweighted_by_vmap_or_loop(model, loss_fn, batch, trainable, weights, path, reason, chunk_size):
-    """The gradient of sum_i weights[i] * loss_i, each loss on a batch of one, as a list (one per trainable
-    parameter), and its PathReport: under vmap (per_sample_grads' driver: the path asked for, or recurrent layers
-    unrolled), else, where that raised, one example at a time. Where reweighting the losses is not exact on the path
-    that ran (_reweighting_exact), sum_i weights[i] g_i from each chunk's per-example gradients instead."""
-    params, inexact = list(trainable.values()), []
-
-    def reweighted(losses, where):
-        why = _reweighting_exact(model, loss_fn, batch, trainable, losses, where)
-        if why is not None:
-            inexact.append(why)
-            return None
-        return torch.autograd.grad((weights.to(losses.dtype) * losses).sum(), params, allow_unused=True)
-
-    def by_vmap(module):  # every example's loss on a batch of one, in one batched forward pass, then one backward pass
-        loss_of_one, in_dims, values = batch.per_example(lambda _, one: _scalar_loss(one.loss(loss_fn, one.call(module))))
-        return reweighted(vmap(loss_of_one, in_dims=(None, *in_dims), randomness="different")(None, *values), "vmap")
-
-    def by_loop():
-        return reweighted(torch.stack([_scalar_loss(one.loss(loss_fn, one.call(model)))
-                                       for one in (batch.example(n) for n in range(len(batch)))]), "loop")
-
-    grads, how = _with_fallbacks(model, batch, path, by_vmap, by_loop, reason)
-    if grads is None:
-        total, how = _weighted_sum_of_examples(model, loss_fn, batch, trainable, chunk_size, path, inexact[-1], weights=weights)
-        grads = [total[name] for name in trainable]
-    return grads, how
