@@ -1121,3 +1121,46 @@ def test_a_loss_that_reads_a_parameter_is_refused(recipe):
     with pytest.raises(ValueError, match="^loss_fn reads parameter 0.weight of the model"):
         ALL[recipe](model, lambda out, t: CE(out, t) + 0.1 * model[0].weight.pow(2).sum(), X, T)
     ALL[recipe](model, lambda out, t: CE(out, t) + 0.1 * out.pow(2).mean(), X, T)
+
+
+def spectral_in_training():
+    """spectral_norm (the parametrization) in training mode: every forward pass runs a step of power iteration,
+    writing its vectors (buffers) in place, and uses them."""
+    torch.manual_seed(47)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    nn.utils.parametrizations.spectral_norm(model[0])
+    return model.train()
+
+
+def on_a_fresh_copy(model, f):
+    """f(copy): f on a copy of the model as given, so that its one forward pass starts from the given buffers."""
+    return f(copy.deepcopy(model))
+
+
+@pytest.mark.parametrize(("recipe", "path"), [(recipe, path) for recipe in ("per_sample_grads", "per_sample_grad_norms", "clipped_grad_sum")
+                                              for path in ("auto", "vmap", "loop")] + [("param_hvp", None)])
+def test_every_pass_runs_the_model_as_given_when_its_forward_writes_its_buffers(recipe, path):
+    """The recipes run the model several times (the checks, the trace, each example of the loop): spectral_norm's
+    power iteration in training mode moved its vectors on every pass, so each pass saw another weight, 8e-4 off on
+    the loop (an adversarial review found it; per_sample_grad_norms 1.3e-4, clipped_grad_sum 7.5e-4; a 6x6 model was
+    refused instead, as if it mixed its examples). Every pass now starts from the buffers as given: the reference is
+    each example (or the batch, for the Hessian) on a fresh copy of the model."""
+    model = spectral_in_training()
+    params = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+    each = torch.stack([on_a_fresh_copy(model, lambda m, n=n: torch.cat([g.flatten() for g in torch.autograd.grad(
+        CE(m(X[n:n + 1]), T[n:n + 1]), params(m))])) for n in range(5)])
+    if recipe == "param_hvp":
+        vector = {name: torch.ones_like(p) for name, p in model.named_parameters()}
+
+        def hvp(m):
+            g = torch.autograd.grad(CE(m(X), T), params(m), create_graph=True)
+            return torch.cat([h.flatten() for h in torch.autograd.grad(sum((a * torch.ones_like(a)).sum() for a in g), params(m))])
+        assert torch.allclose(flat(tfr.param_hvp(model, CE, X, T, vector)), on_a_fresh_copy(model, hvp), rtol=1e-10, atol=1e-12)
+        return
+    norms = each.norm(dim=1)
+    expected = {"per_sample_grads": each, "per_sample_grad_norms": norms,
+                "clipped_grad_sum": ((0.5 / (norms + 1e-6)).clamp(max=1)[:, None] * each).sum(0)}[recipe]
+    kwargs = {"max_norm": 0.5} if recipe == "clipped_grad_sum" else {}
+    result = getattr(tfr, recipe)(model, CE, X, T, path=path, **kwargs)
+    got = torch.cat([g.flatten(1) for g in result.values()], dim=1) if recipe == "per_sample_grads" else flat(result)
+    assert torch.allclose(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)

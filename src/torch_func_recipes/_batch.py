@@ -276,8 +276,11 @@ class _Batch:
         return [leaf for leaf, b in zip(leaves[: len(leaves) - count], batched) if b]
 
     def call(self, model: Callable[..., Any], params: dict | None = None) -> Any:
-        """model(*args, **kwargs), or functional_call of it (an nn.Module) with params."""
+        """model(*args, **kwargs), its buffers as found (_as_found), or functional_call of it (an nn.Module) with
+        params, as the vmap paths call it inside a transform, where a buffer cannot be written (they put the buffers
+        back before the transform: _as_found)."""
         if params is None:
+            _as_found()
             return model(*self.args, **self.kwargs)
         assert isinstance(model, nn.Module)
         return functional_call(model, params, self.args, self.kwargs)
@@ -760,6 +763,28 @@ def _made_before(names: list[str], where: str) -> ValueError:
 # runs (_model_kept sets it): _Batch.loss refuses a loss_fn that reads one of them.
 _LOSS_READS: contextvars.ContextVar[tuple[Any, Mapping[int, Any]] | None] = contextvars.ContextVar("loss_reads", default=None)
 
+# The buffers of the model a recipe runs on, while it runs (_model_kept sets it): [buffer, its version, its copy from
+# the start of the call], for _as_found.
+_FOUND_BUFFERS: contextvars.ContextVar[list[list[Any]] | None] = contextvars.ContextVar("found_buffers", default=None)
+
+
+def _as_found() -> None:
+    """Before each pass a recipe runs the model through: the buffers a forward pass wrote in place since (its version
+    moved) hold again what they held when the call began, so that every pass (the trace, each check, each example of
+    the loop, each product of a curvature recipe) runs the model as it was given, not as the passes before left it:
+    spectral_norm's power iteration in training mode writes its vectors on every pass, and each pass would see
+    another weight (8e-4 off on the loop). A version comparison per buffer where nothing was written. Called outside
+    torch.func's transforms (a grad transform refuses a write into a tensor it captured): before a vmap path's
+    transform, not inside it, so the chunks of one vmap call (its chunk_size) follow each other's writes."""
+    tracked = _FOUND_BUFFERS.get()
+    for entry in tracked or ():
+        b, version, copy = entry
+        if b._version != version:
+            with torch.no_grad():
+                if b.shape == copy.shape and b.dtype == copy.dtype and b.device == copy.device:
+                    b.copy_(copy)
+            entry[1] = b._version
+
 
 def _loss_reads_parameters(names: list[str]) -> ValueError:
     return ValueError(f"loss_fn reads parameter {', '.join(names[:3])}{' and more' if len(names) > 3 else ''} of the "
@@ -892,6 +917,10 @@ def _model_kept(model: Any) -> Any:
       head built on the first call, a hook registered by every forward pass, a buffer filled in where it was None)
       is as it was. Each parameter's gradient hooks (Tensor.register_hook) likewise, and its requires_grad: one
       switched during the call is put back and the call refused (ValueError naming it).
+    - while the call runs, each pass through the model (the trace, each check, each example of the loop, each
+      product of a curvature recipe, and each vmap path before its transform) starts from the buffers as found
+      (_as_found): a forward pass that writes a buffer it reads (spectral_norm's power iteration in training mode)
+      runs as given on every pass, as on a fresh copy of the model.
 
     - the parameters, which are not copied (P numbers): a model whose forward pass writes into one is refused
       before anything runs where that is known (nn.Embedding or nn.EmbeddingBag with max_norm, which renormalises
@@ -919,7 +948,7 @@ def _model_kept(model: Any) -> Any:
         found.append((module, attributes, [(held, held.copy()) for held in map(attributes.get, _MODULE_CONTAINERS) if held is not None]))
     versions = {key: p._version for key, p in params.items() if not p.is_inference()}
     flags = {key: p.requires_grad for key, p in params.items()}
-    hooks = {key: tuple(p._backward_hooks) for key, p in params.items() if p._backward_hooks}  # the keys of each one's hooks
+    hooks = {key: dict(p._backward_hooks) for key, p in params.items() if p._backward_hooks}  # each one's gradient hooks
     with torch.inference_mode(False), torch.no_grad():  # an inference tensor has no version, and nothing writes it here
         copies = [(b._version, b.clone()) if not b.is_inference() else (None, None) for _, _, b in buffers]
     saved = [p.grad for p in params.values()]
@@ -928,9 +957,11 @@ def _model_kept(model: Any) -> Any:
             p.grad = None
     watched = (model, {key: key for key, p in params.items() if p.requires_grad}) if isinstance(model, nn.Module) else None
     token = _LOSS_READS.set(watched)
+    found_token = _FOUND_BUFFERS.set([[b, version, copy] for (_, _, b), (version, copy) in zip(buffers, copies) if copy is not None])
     try:
         yield
     finally:
+        _FOUND_BUFFERS.reset(found_token)
         _LOSS_READS.reset(token)
         written = [p for p in params.values() if p.grad is not None]
         for p, grad in zip(params.values(), saved):
@@ -942,9 +973,10 @@ def _model_kept(model: Any) -> Any:
         for p in switched:
             p.requires_grad_(not p.requires_grad)
         for key, p in params.items():
-            if p._backward_hooks and len(p._backward_hooks) != len(hooks.get(key, ())):  # a gradient hook registered
-                for handle in [handle for handle in p._backward_hooks if handle not in hooks.get(key, ())]:
-                    del p._backward_hooks[handle]
+            held = p._backward_hooks
+            if held is not None and held.keys() != hooks.get(key, {}).keys():  # a gradient hook registered or removed
+                held.clear()
+                held.update(hooks.get(key, {}))
         with torch.inference_mode(False), torch.no_grad():
             changed = [(b, copy) for (module, name, b), (version, copy) in zip(buffers, copies)
                        if copy is not None and (b._version != version or not _same_values(b, copy))]

@@ -155,7 +155,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "the operator's schema names its arguments with their defaults and says which ones it writes into; "
                "the public OpOverload attributes (name(), tags) do not",
                None, lambda: torch.ops.aten.add_.Tensor),
-    PrivateAPI("Tensor._version", "object attribute", ("_batch._model_kept", "_layer_batch_norm._BatchNormRule.record", "_layer_conv._ConvRule.record",
+    PrivateAPI("Tensor._version", "object attribute", ("_batch._as_found", "_batch._model_kept", "_layer_batch_norm._BatchNormRule.record",
+                                                       "_layer_conv._ConvRule.record",
                                                        "_layer_embedding._EmbeddingRule._record_broadcast",
                                                        "_layer_embedding._EmbeddingRule.record", "_layer_group_norm._GroupNormRule.record",
                                                        "_layer_hf_conv1d._HFConv1DRule.record",

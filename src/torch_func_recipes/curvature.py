@@ -33,6 +33,7 @@ from torch.func import functional_call, grad, jacrev, vjp, vmap
 
 from ._batch import (
     _as_batch,
+    _as_found,
     _check_chunk_size,
     _check_model,
     _check_parameters_reached,
@@ -81,6 +82,7 @@ def _no_random_draws(device, held=()):
     would double)."""
     cuda = [device.index or 0] if device.type == "cuda" else []
     before = _generator_states(cuda, held)
+    _as_found()  # the pass runs the model as it was given (its buffers as found)
     with _GeneratorWatch() as watch:
         yield
     if _drew_random_numbers(before, cuda, held) or watch.others(held):
@@ -764,12 +766,17 @@ def _ggn_diagonal_of_batch(model, loss_fn, inputs, targets, params, per_sample, 
     # each example alone: by vmap, or by a loop where a recurrent module cannot run under vmap, or where vmap
     # raises, whatever the error (no message is read: a higher-order operator such as torch's map or while_loop)
     def loop():
-        return torch.cat([functional_call(model, params, (inputs[n:n + 1],)) for n in range(len(inputs))])
+        outputs = []
+        for n in range(len(inputs)):
+            _as_found()
+            outputs.append(functional_call(model, params, (inputs[n:n + 1],)))
+        return torch.cat(outputs)
 
     def one(x):  # an example alone, and each module's input as that example's call gave it (the per-layer path's check)
         seen: dict[int, list] = {id(m): [] for m in modules}
         handles = [m.register_forward_hook(lambda m, args, out: seen[id(m)].append(args[0] if args else None)) for m in modules]
         try:
+            _as_found()
             out = functional_call(model, params, (x[None],))[0]
         finally:
             for handle in handles:

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._batch import (
     _as_batch,
+    _as_found,
     _call_signature,
     _check_chunk_size,
     _check_model,
@@ -277,6 +278,7 @@ def _vmap_jacrev(model, select, trainable, batch, chunk_size, out, total):
     of_one, in_dims, values = batch.per_example(outputs_of_one)
     # randomness="different": each example draws its own dropout mask (as on the fast path and in per_sample_grads),
     # which all rows of its Jacobian share (jacrev runs the forward pass once per example)
+    _as_found()
     blocks = vmap(jacrev(of_one), in_dims=(None, *in_dims), randomness="different", chunk_size=chunk_size)(detached, *values)
     size, n_out = len(batch), next(iter(blocks.values())).shape[1]
     out = _result_buffer(out, size, n_out, total, next(iter(blocks.values())), trainable)

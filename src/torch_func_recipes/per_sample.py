@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._batch import (
     _as_batch,
+    _as_found,
     _check_chunk_size,
     _check_model,
     _check_out_memory,
@@ -200,6 +201,7 @@ def _vmap_grad(model, trainable, loss_fn, batch, chunk_size):
     """vmap(grad(...)) of one example's loss: the transform's own result, no copy."""
     detached = {name: p.detach() for name, p in trainable.items()}
     loss_of_one, in_dims, values = batch.per_example(lambda params, one: _scalar_loss(one.loss(loss_fn, one.call(model, params))))
+    _as_found()
     return vmap(grad(loss_of_one), in_dims=(None, *in_dims), randomness="different", chunk_size=chunk_size)(detached, *values)
 
 
@@ -640,6 +642,7 @@ def _squared_norms_by_vmap(model, loss_fn, batch, layers, streamed, chunk_size):
         part = batch.rows(rows)
         n = len(part)
         of_one, in_dims, values = part.per_example(lambda extra, one: loss_of_one(extra[0], extra[1], one))
+        _as_found()
         per_example = vmap(grad(lambda rest, probes, *v: of_one((rest, probes), *v), argnums=(0, 1), has_aux=True),
                            in_dims=(None, 0, *in_dims), randomness="different")
         probes = [torch.zeros((n, *shape), dtype=dtype, device=device) for _, _, shape in layers.values()]
