@@ -933,7 +933,7 @@ def _model_kept(model: Any) -> Any:
     back."""
     params: dict[int, nn.Parameter] = {}  # one walk of the modules (named_parameters and named_buffers cost 4x more)
     buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
-    found: list[tuple[nn.Module, dict[str, Any], list[Any]]] = []  # each module's attributes, its containers' contents
+    found: list[tuple[nn.Module, dict[str, Any], tuple[Any, ...], list[Any]]] = []  # each module's attributes, containers
     for module in model.modules() if isinstance(model, nn.Module) else ():
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
             name = next(n for n, m in model.named_modules() if m is module)
@@ -945,7 +945,8 @@ def _model_kept(model: Any) -> Any:
         buffers.extend((module, name, b) for name, b in module._buffers.items()
                        if b is not None and not isinstance(b, nn.parameter.UninitializedBuffer))
         attributes = dict(vars(module))
-        found.append((module, attributes, [(held, held.copy()) for held in map(attributes.get, _MODULE_CONTAINERS) if held is not None]))
+        containers = [held for held in map(attributes.get, _MODULE_CONTAINERS) if held is not None]
+        found.append((module, attributes, tuple([held for held in containers if not held]), [(held, held.copy()) for held in containers if held]))
     versions = {key: p._version for key, p in params.items() if not p.is_inference()}
     flags = {key: p.requires_grad for key, p in params.items()}
     hooks = {key: dict(p._backward_hooks) for key, p in params.items() if p._backward_hooks}  # each one's gradient hooks
@@ -967,8 +968,8 @@ def _model_kept(model: Any) -> Any:
         for p, grad in zip(params.values(), saved):
             if p.grad is not grad:
                 p.grad = grad
-        for module, attributes, containers in found:
-            _put_back_attributes(module, attributes, containers)
+        for module, attributes, empty, full in found:
+            _put_back_attributes(module, attributes, empty, full)
         switched = [p for key, p in params.items() if p.requires_grad != flags[key]]  # by the model's own code
         for p in switched:
             p.requires_grad_(not p.requires_grad)
@@ -1010,10 +1011,10 @@ def _model_kept(model: Any) -> Any:
                          ".grad is left as it was)")
 
 
-def _put_back_attributes(module: nn.Module, attributes: dict[str, Any], containers: list[tuple[Any, Any]]) -> None:
+def _put_back_attributes(module: nn.Module, attributes: dict[str, Any], empty: tuple[Any, ...], full: list[tuple[Any, Any]]) -> None:
     """module's own attributes as they were (attributes: a shallow copy of its __dict__), and the contents of the
-    dicts and sets nn.Module keeps its parameters, buffers, submodules and hooks in (containers: (the container, a
-    copy of its contents)): for _model_kept."""
+    dicts and sets nn.Module keeps its parameters, buffers, submodules and hooks in: empty, those that were empty
+    (most hook dicts: one test for all at C speed), full, (each other one, a copy of its contents). For _model_kept."""
     now = vars(module)
     # the usual case first, at C speed: the same names in the same order, each holding the same object
     if not (len(now) == len(attributes) and all(map(operator.is_, now.values(), attributes.values()))
@@ -1023,7 +1024,10 @@ def _put_back_attributes(module: nn.Module, attributes: dict[str, Any], containe
         for name, value in attributes.items():
             if name not in now or now[name] is not value:  # rebound, or deleted
                 now[name] = value
-    for held, contents in containers:  # a submodule, parameter, buffer or hook registered, replaced or removed
+    if any(empty):  # something registered in a container that was empty
+        for held in empty:
+            held.clear()
+    for held, contents in full:  # a submodule, parameter, buffer or hook registered, replaced or removed
         if isinstance(held, dict):
             same = (len(held) == len(contents) and all(map(operator.is_, held.values(), contents.values()))
                     and held.keys() == contents.keys())
