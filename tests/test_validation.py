@@ -753,23 +753,94 @@ def test_a_model_that_reads_the_batch_size_but_agrees_at_two_examples_keeps_off_
     assert report.path == "fast" and torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
-def test_a_row_factor_made_from_the_batch_size_keeps_off_the_fast_path(recipe):
-    """1 + (arange(x.shape[0]) >= 2): the first two examples agree together and alone, and the first row agrees
-    too, but rows 2 on get a factor the loop and vmap, which see each example alone, never apply; the trace took
-    the arange for a constant. The last row is now compared with the last example alone as well."""
+def _row_factor(rows):
+    """A model whose output rows are scaled by 1 + rows(arange(len(x))): a factor made from the batch's size."""
     torch.manual_seed(43)
     layers = nn.ModuleList([nn.Linear(4, 6), nn.Linear(6, 3)]).double()
 
     def forward(self, x):
-        return layers[1](torch.tanh(layers[0](x))) * (1 + (torch.arange(x.shape[0]) >= 2).to(x.dtype)[:, None])
+        return layers[1](torch.tanh(layers[0](x))) * (1 + rows(torch.arange(x.shape[0])).to(x.dtype)[:, None])
 
     model = type("RowFactor", (nn.Module,), {"forward": forward})()
     model.layers = layers
+    return model
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+@pytest.mark.parametrize("rows", ["from 2 on", "row 2 only"])
+def test_a_row_factor_made_from_the_batch_size_keeps_off_the_fast_path(recipe, rows):
+    """1 + (arange(x.shape[0]) >= 2): the first two examples agree together and alone, and the first row agrees
+    too, but rows 2 on get a factor the loop and vmap, which see each example alone, never apply; the trace took
+    the arange for a constant. The last row's comparison with the last example alone caught that one, but not
+    1 + (arange(x.shape[0]) == 2), whose end rows agree with their examples alone: the fast path was 1.13 off the
+    loop (per_sample_grads), 0.76 (the norms), 0.38 (output_jacobian). The trace now compares the rows of a
+    constant that lines up with the examples (_trace._same_for_each), and steps aside at the product."""
+    model = _row_factor({"from 2 on": lambda i: i >= 2, "row 2 only": lambda i: i == 2}[rows])
     expected = flat(PER_EXAMPLE[recipe](model, CE, X, T, path="loop"))
     result, report = PER_EXAMPLE[recipe](model, CE, X, T, report=True)
     assert torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
-    assert report.path == "vmap" and "example 4's output in the batch of 5 differs" in report.reason
+    assert report.path == "vmap" and "whose rows differ from one example to the next" in report.reason
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+def test_a_factor_the_same_for_every_row_keeps_the_fast_path(recipe):
+    """What the comparison of a constant's rows lets through: a factor made from the batch's size whose rows are
+    equal (a mask of ones made for the batch, as transformers builds when it is given none)."""
+    model = _row_factor(lambda i: torch.ones_like(i))
+    expected = flat(PER_EXAMPLE[recipe](model, CE, X, T, path="loop"))
+    result, report = PER_EXAMPLE[recipe](model, CE, X, T, report=True)
+    assert report.path == "fast" and torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
+
+
+class _PerPosition(nn.Module):
+    """Example data combined with a tensor of the batch's size, made without it, in each kind of operation the
+    trace checks: a table added row by row (`x + pe[:len(x)]` on batch-first data), a product with a stack of
+    matrices (bmm), a concatenation beside the features, and an attention mask. `same` makes every row of the
+    tensor the first one's (the fast path's case). The table's rows differ only in the middle of a batch of five."""
+
+    def __init__(self, kind, same):
+        super().__init__()
+        torch.manual_seed(46)
+        self.a, self.b, self.kind, self.same = nn.Linear(4, 6), nn.Linear(6, 3), kind, same
+        # a buffer (a constant to the trace) whose rows 2 and 3 differ from the others: the first two examples and the
+        # last (rows 0, 1 and 4 of five) agree together and alone, so only the trace's comparison of rows sees it
+        table = torch.randn(6).repeat(8, 1)
+        table[2:4] = torch.randn(2, 6)
+        self.register_buffer("table", table)
+        self.double()
+
+    def forward(self, x):
+        h, n = torch.tanh(self.a(x)), x.shape[0]
+        table = self.table[:1].expand(n, 6).clone() if self.same else self.table[:n]
+        if self.kind == "added":
+            h = h + table
+        elif self.kind == "bmm":
+            h = torch.bmm(h[:, None, :], torch.diag_embed(table)).squeeze(1)
+        elif self.kind == "cat":
+            h = torch.cat([h[:, :3], table[:, :3]], 1)
+        else:  # attention of two tokens per example, the mask from the table's signs
+            q = h.view(n, 1, 2, 3)
+            mask = (table[:, None, :2, None] > 0) | torch.eye(2, dtype=torch.bool)  # every token sees itself
+            h = F.scaled_dot_product_attention(q, q, q, attn_mask=mask).reshape(n, 6)
+        return self.b(h)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap's fallback for CPU attention: a note
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+@pytest.mark.parametrize("kind", ["added", "bmm", "cat", "attention"])
+def test_a_tensor_of_the_batch_size_made_without_the_examples_keeps_off_the_fast_path(recipe, kind):
+    """Each operation the trace lets example data meet a constant in: where the constant's rows differ, the
+    examples' positions change their results, and the fast path (which computed the batch's rows) steps aside to
+    vmap, which equals the loop; where they are the same, the fast path runs and equals the loop."""
+    model = _PerPosition(kind, same=False)
+    expected = flat(PER_EXAMPLE[recipe](model, CE, X, T, path="loop"))
+    result, report = PER_EXAMPLE[recipe](model, CE, X, T, report=True)
+    assert torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
+    assert report.path == "vmap" and "whose rows differ from one example to the next" in report.reason
+    same = _PerPosition(kind, same=True)
+    expected = flat(PER_EXAMPLE[recipe](same, CE, X, T, path="loop"))
+    result, report = PER_EXAMPLE[recipe](same, CE, X, T, report=True)
+    assert report.path == "fast" and torch.allclose(flat(result), expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("recipe", [name for name in PER_EXAMPLE if name != "output_jacobian"])

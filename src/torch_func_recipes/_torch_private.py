@@ -171,7 +171,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                None, lambda: torch.zeros(1)),
     PrivateAPI("Tensor._cdata", "object attribute", tuple(f"_trace._BatchTrace.{m}" for m in (
                    "__init__", "__torch_dispatch__", "admit", "follow_cast", "follow_fresh", "mark_transposed", "param_of", "r_of", "rule",
-                   "share", "shared_of", "transposed_of")),
+                   "share", "shared_of", "transposed_of")) + ("_trace._same_for_each",),
                "the address of the C++ tensor, the one identity a tensor keeps while PyTorch frees and remakes its "
                "Python object (a view's base, a saved tensor); id() names the Python object only",
                None, lambda: torch.zeros(1)),

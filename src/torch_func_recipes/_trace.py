@@ -139,13 +139,15 @@ def _pointwise(func) -> bool:
 
 class _OpPlan(NamedTuple):
     """What _BatchTrace does with one operator: the arguments it writes into (_writes), the layer rules whose
-    operations include it, its general case in _BatchTrace.rule (_BatchTrace.category_of), and whether its results
-    have memory of their own (no view or in-place result: a storage the trace has not met)."""
+    operations include it, its general case in _BatchTrace.rule (_BatchTrace.category_of), whether its results
+    have memory of their own (no view or in-place result: a storage the trace has not met), and whether it draws
+    random numbers (torch's nondeterministic_seeded tag)."""
     func: object
     writes: tuple
     rules: tuple
     category: str | None
     allocates: bool
+    draws: bool
 
 
 class _NotPerExample(Exception):
@@ -217,7 +219,8 @@ class _BatchTrace(TorchDispatchMode):
         plan = self.plans.get(id(func))
         if plan is None or plan.func is not func:
             plan = self.plans[id(func)] = _OpPlan(func, _writes(func), tuple(r for r in self.rules if func in r.ops),
-                                                  self.category_of(func), all(a.alias_info is None for a in func._schema.returns))
+                                                  self.category_of(func), all(a.alias_info is None for a in func._schema.returns),
+                                                  torch.Tag.nondeterministic_seeded in func.tags)
         return plan
 
     @classmethod
@@ -272,6 +275,7 @@ class _BatchTrace(TorchDispatchMode):
         self.met_higher_order = False  # _run_trace then mends the process (torch.compiler.reset)
         self.unknown = set()
         self.fresh = {}       # key(a layer's output no operation has read yet) -> that layer
+        self.drawn = set()    # keys of tensors made from random draws (_same_for_each lets their rows differ)
 
     def hold_memory(self, t):
         """t holds example data: remember where its storage starts, with a weak reference to the storage that says
@@ -360,6 +364,8 @@ class _BatchTrace(TorchDispatchMode):
         for t in outs:  # reserve the results' keys (class docstring); an in-place result is its input, met before
             if t._cdata not in refs:
                 refs[t._cdata] = _WeakTensorRef(t)
+        if plan.draws or self.drawn and not self.drawn.isdisjoint(ids):
+            self.drawn.update(t._cdata for t in outs)
         if self.unknown and not self.unknown.isdisjoint(ids):
             self.fail(f"{func} uses a side result whose rows are not the examples")
         if self.fresh and not self.fresh.keys().isdisjoint(ids):  # follow_fresh has nothing to do otherwise
@@ -451,6 +457,7 @@ class _BatchTrace(TorchDispatchMode):
             for a in tensors:
                 if a._cdata in known and a.dim() != ndim:
                     self.fail(f"{func} broadcasts example data along another dimension")
+            _same_for_each(self, func, tensors, ndim, r)
             return r
         if category == "row_preserving":
             t = out[0]
@@ -472,6 +479,7 @@ class _BatchTrace(TorchDispatchMode):
                 self.fail(f"{func} works along the batch dimension (dim={dims})")
             if func is self.aten.index_select.default:  # one index for every row: it must not come from example data
                 self.only_in(func, tensors, args[0])
+            _same_for_each(self, func, tensors, max(a.dim() for a in tensors if a._cdata in self.rows), r)
             return r
         if category == "matmul":
             mats = args[1:3] if func in (self.aten.addmm.default, self.aten.baddbmm.default) else args[:2]
@@ -481,6 +489,8 @@ class _BatchTrace(TorchDispatchMode):
                 self.fail(f"{func} broadcasts example data")
             if self.r_of(mats[0]) is None and func in (self.aten.mm.default, self.aten.addmm.default):
                 self.fail(f"{func} multiplies example data from the right")
+            # the batched products' dimension 0 and a bias of addmm's rows are the examples' (a weight's rows are not)
+            _same_for_each(self, func, tensors if func in (self.aten.bmm.default, self.aten.baddbmm.default) else [args[0]], out[0].dim(), r)
             return r
         if category == "layer_norm":
             if len(args[1]) >= args[0].dim():
@@ -498,6 +508,7 @@ class _BatchTrace(TorchDispatchMode):
             rows = [a for a in tensors if self.r_of(a) is not None]
             if self.r_of(query) is None or query.dim() != 4 or any(a.dim() != 4 or a.shape[0] != query.shape[0] for a in rows):
                 self.fail(f"{func} attends across the batch dimension")
+            _same_for_each(self, func, tensors, 4, r)  # a mask, or a key and value every example is to share
             return r
         self.fail(f"{func} is not on the fast path's list of operations")
 
@@ -540,6 +551,29 @@ class _BatchTrace(TorchDispatchMode):
             return None
         dims = [dims] if isinstance(dims, int) else list(dims)
         return [d % ndim for d in dims] or None  # an empty list reduces over every dimension
+
+
+def _same_for_each(trace, func, tensors, ndim, r):
+    """Stop the trace (a _BatchTrace) where a tensor made without example data (a constant to it) lines up its
+    dimension 0 with the examples' (ndim dimensions, B*r rows) and holds other values for one example than for
+    another: the examples' positions in the batch then change their results (x * (torch.arange(len(x)) == 2), a table of a batch's size
+    added row by row), where vmap and the loop, which see each example alone, give each its own. A mask of ones
+    made for the batch (transformers' attention mask when none is given), or one expanded along dimension 0,
+    has the same rows and passes, and so does one made from random draws (a dropout mask drawn for the batch by
+    torch.rand: each example gets draws of its own, as in the loop; a draw is not compared, as in
+    _end_rows_alone, so one made from the batch's position as well passes too). Cost: one comparison of each
+    such constant's rows with its first example's, which reads its values (a synchronisation on a GPU); none for
+    a constant expanded along dimension 0."""
+    B = trace.batch
+    if B < 2:
+        return
+    for a in tensors:
+        if a._cdata in trace.rows or a.dim() != ndim or a.shape[0] != B * r or a._cdata in trace.drawn:
+            continue
+        rows = a.detach().unflatten(0, (B, r))
+        if rows.stride(0) != 0 and not torch.equal(rows, rows[:1].expand_as(rows)):
+            trace.fail(f"{func} combines example data with a tensor whose rows differ from one example to the next "
+                       "(made from the batch's size, say): the examples' positions in the batch change their results")
 
 
 def _losses_of_each(loss_fn, predictions: torch.Tensor, batch: _Batch) -> torch.Tensor:
@@ -668,10 +702,10 @@ def _end_rows_alone(model, memo, batch, output, key):
     """None, or the reason the fast path steps aside: the traced output's first and last rows must agree with those
     examples' outputs alone (_batch._outputs_agree, output tensors with a row per example of the batch). The trace
     sees every operation, but not a Python number the forward pass reads from a tensor: a model that divides by
-    max(x.shape[0], 2) agrees between one and two examples (_batch._check_examples_apart), and one that scales its
-    rows by a tensor made from the batch's size (torch.arange(x.shape[0]) >= 2) agrees at the first two rows; both
-    gave the batch's rows where vmap and the loop, which see each example alone, give the example's own. Not seen:
-    such a tensor whose first and last rows agree with one example's (arange(x.shape[0]) == 2). Cost: two forward
+    max(x.shape[0], 2) agrees between one and two examples (_batch._check_examples_apart), and gave the batch's
+    rows where vmap and the loop, which see each example alone, give the example's own. (A tensor made from the
+    batch's size, torch.arange(x.shape[0]) >= 2, is the trace's to see: _same_for_each.) Not seen: a
+    number so read that leaves the first and last rows as they are alone. Cost: two forward
     passes of one example, in the caller's autocast (then to 16 roundings of its dtype at least), with gradients
     on; once per model and call signature (key, as for _FAILED: a chunk of another size is checked again), but on
     every call with output_jacobian's select (the key's variant), which is known by its id alone, and an id a
