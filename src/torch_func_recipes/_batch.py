@@ -410,6 +410,7 @@ def _check_model(model: nn.Module, *, deterministic: bool = False) -> dict[str, 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     for name, module in model.named_modules():
+        _refuse_lazy(name, module)
         compiled = _compiled(module)
         if compiled == "fullgraph" or (compiled and deterministic):
             raise ValueError(f"{name or 'the model'} ({type(module).__name__}) was compiled"
@@ -432,6 +433,16 @@ def _check_model(model: nn.Module, *, deterministic: bool = False) -> dict[str, 
     if not trainable:
         raise ValueError("the model has no parameters that require grad")
     return trainable
+
+
+def _refuse_lazy(name: str, module: nn.Module) -> None:
+    """Refuse a module (named `name` in the model) with a parameter not yet initialised (nn.LazyLinear before its
+    first forward pass): its first forward pass would change the model's make-up, on every pass a recipe runs."""
+    lazy = next((n for n, p in module._parameters.items() if isinstance(p, nn.parameter.UninitializedParameter)), None)
+    if lazy is not None:
+        raise ValueError(f"parameter {f'{name}.' if name else ''}{lazy} ({type(module).__name__}) is not initialised yet: "
+                         "a lazy module gets its parameters' shapes from its first forward pass; run the model once "
+                         "on a batch (model(x)) before the recipe")
 
 
 _NORM_BLOCK = 4096  # entries per block of _row_squares
@@ -915,8 +926,10 @@ def _model_kept(model: Any) -> Any:
       to the object it held, and one added is removed; and the contents of the dicts and sets nn.Module keeps its
       parameters, buffers, submodules and hooks in, so that one registered, replaced or removed during the call (a
       head built on the first call, a hook registered by every forward pass, a buffer filled in where it was None)
-      is as it was. Each parameter's gradient hooks (Tensor.register_hook) likewise, and its requires_grad: one
-      switched during the call is put back and the call refused (ValueError naming it).
+      is as it was. Each parameter's gradient hooks (Tensor.register_hook, register_post_accumulate_grad_hook)
+      likewise, and its requires_grad: one switched during the call is put back and the call refused (ValueError
+      naming it). A lazy module's parameter not yet initialised is refused before anything runs (ValueError
+      naming it): its first forward pass would change the model's make-up on every pass.
     - while the call runs, each pass through the model (the trace, each check, each example of the loop, each
       product of a curvature recipe, and each vmap path before its transform) starts from the buffers as found
       (_as_found): a forward pass that writes a buffer it reads (spectral_norm's power iteration in training mode)
@@ -941,6 +954,8 @@ def _model_kept(model: Any) -> Any:
                              "renormalises the rows of its weight it looks up, in place, on every forward pass: a recipe "
                              "would change the model, and the loop's examples would each see another weight; renormalise "
                              "once beforehand (torch.embedding_renorm_) and set max_norm=None for the call")
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module._parameters.values()):
+            _refuse_lazy(next(n for n, m in model.named_modules() if m is module), module)
         params.update((id(p), p) for p in module._parameters.values() if p is not None)
         buffers.extend((module, name, b) for name, b in module._buffers.items()
                        if b is not None and not isinstance(b, nn.parameter.UninitializedBuffer))
@@ -950,6 +965,7 @@ def _model_kept(model: Any) -> Any:
     versions = {key: p._version for key, p in params.items() if not p.is_inference()}
     flags = {key: p.requires_grad for key, p in params.items()}
     hooks = {key: dict(p._backward_hooks) for key, p in params.items() if p._backward_hooks}  # each one's gradient hooks
+    after = {key: dict(p._post_accumulate_grad_hooks) for key, p in params.items() if p._post_accumulate_grad_hooks}
     with torch.inference_mode(False), torch.no_grad():  # an inference tensor has no version, and nothing writes it here
         copies = [(b._version, b.clone()) if not b.is_inference() else (None, None) for _, _, b in buffers]
     saved = [p.grad for p in params.values()]
@@ -973,11 +989,11 @@ def _model_kept(model: Any) -> Any:
         switched = [p for key, p in params.items() if p.requires_grad != flags[key]]  # by the model's own code
         for p in switched:
             p.requires_grad_(not p.requires_grad)
-        for key, p in params.items():
-            held = p._backward_hooks
-            if held is not None and held.keys() != hooks.get(key, {}).keys():  # a gradient hook registered or removed
-                held.clear()
-                held.update(hooks.get(key, {}))
+        for key, p in params.items():  # a gradient hook, or one run after .grad is written, registered or removed
+            for held, kept in ((p._backward_hooks, hooks), (p._post_accumulate_grad_hooks, after)):
+                if held is not None and held.keys() != kept.get(key, {}).keys():
+                    held.clear()
+                    held.update(kept.get(key, {}))
         with torch.inference_mode(False), torch.no_grad():
             changed = [(b, copy) for (module, name, b), (version, copy) in zip(buffers, copies)
                        if copy is not None and (b._version != version or not _same_values(b, copy))]

@@ -95,7 +95,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "no public API says whether a global module backward pre-hook is registered, and the fast path, "
                "which skips them, and the curvature recipes must refuse when one is",
                None, None),
-    PrivateAPI("Module._parameters", "object attribute", ("_batch._model_kept", "_trace._fast_path_screen", "_trace._owner_rules",
+    PrivateAPI("Module._parameters", "object attribute", ("_batch._model_kept", "_batch._refuse_lazy", "_trace._fast_path_screen", "_trace._owner_rules",
                                                           "per_sample._covered_linear_layers"),
                "maps each module's own parameters by their short names, a parameter registered under two names "
                "included, which named_parameters(recurse=False) would drop as a duplicate; read in one walk of the "
@@ -143,6 +143,10 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "parameter has gradient hooks of its own (Tensor.register_hook keeps them in its _backward_hooks too), "
                "which the fast path and vmap would skip",
                None, lambda: nn.Linear(1, 1)),
+    PrivateAPI("Tensor._post_accumulate_grad_hooks", "object attribute", ("_batch._model_kept",),
+               "no public API lists or removes a parameter's post-accumulate-grad hooks, which a forward pass may "
+               "register on every call and which would then be left behind",
+               None, lambda: nn.Parameter(torch.zeros(1))),
     PrivateAPI("Module._backward_pre_hooks", "object attribute", _SCREEN,
                "no public API says whether a module has backward pre-hooks, which the fast path would skip and the "
                "curvature recipes refuse",

@@ -184,7 +184,8 @@ def _with_fallbacks(model, batch, path, run_vmap, run_loop, reason):
     Every path off the fast path comes here, so this is where a model that mixes the examples of `batch` is
     refused first (_batch._check_examples_apart): vmap and the loop see each example alone, and would answer.
 
-    path "vmap": run_vmap(model) alone, errors raised. "loop": run_loop() alone. "unroll": run_vmap
+    path "vmap": run_vmap(model) alone, errors raised (on Python 3.11 on, with a note naming path="unroll" where
+    the model has recurrent layers it could unroll). "loop": run_loop() alone. "unroll": run_vmap
     on a stand-in whose nn.RNN/GRU/LSTM layers compute step by step (_unrolled_stand_in; the model
     itself is never changed); a ValueError if there are none or they refuse the input, any other error
     raised. "auto": the path is decided from the model's modules before anything runs: the unroll where the
@@ -207,7 +208,16 @@ def _with_fallbacks(model, batch, path, run_vmap, run_loop, reason):
         return run_loop(), PathReport("loop", reason)
     _check_parameters_reached(model, batch)
     if path == "vmap":
-        return run_vmap(model), PathReport("vmap", reason)
+        try:
+            return run_vmap(model), PathReport("vmap", reason)
+        except Exception as error:
+            recurrent = _unrollable(model)
+            add_note = getattr(error, "add_note", None)  # Python 3.11 on
+            if recurrent and add_note:  # a hint beside torch's error, which names a shape or a kernel, not the layer
+                add_note(f"path='vmap' runs {type(recurrent[0][1]).__name__} {recurrent[0][0] or '(the model)'} "
+                               "through its own forward, which vmap cannot batch (it makes an unbatched initial "
+                               "state): path='unroll' or 'auto' computes it step by step under vmap")
+            raise
     layers = _unrollable(model)
     if path == "unroll" and not layers:
         raise ValueError("path='unroll' needs an nn.RNN, nn.GRU or nn.LSTM whose forward is the class's own; the model has none")

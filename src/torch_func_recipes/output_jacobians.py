@@ -116,8 +116,9 @@ def output_jacobian(model: nn.Module, inputs: _Inputs | None = None, *, select: 
                 assert out is not None  # written by the first chunk
                 written = out
                 weights = torch.linspace(1.0, 2.0, written.shape[1], dtype=written.dtype, device=written.device)
-                reason = _end_gradients_alone(model, batch, trainable, "jacobian", lambda n: [weights @ written[n]],
-                                              lambda one: [_weighted_row(forward, trainable, one, weights)], variant)
+                sizes = [p.numel() for p in trainable.values()]  # compared parameter by parameter (_trace._SCALE_FLOOR)
+                reason = _end_gradients_alone(model, batch, trainable, "jacobian", lambda n: list((weights @ written[n]).split(sizes)),
+                                              lambda one: list(_weighted_row(forward, trainable, one, weights).split(sizes)), variant)
                 if reason is None:
                     report_ = PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart "
                                          "and every use of a trainable parameter is an operation its layer's rule covers")

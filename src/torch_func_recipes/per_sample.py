@@ -419,11 +419,8 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
             return (norms, PathReport("none", "the batch is empty", [], [], [])) if report else norms
         reason, owners = _fast_path_screen(model, trainable, "norms", path, batch)
         if reason is None:
-            found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners)
+            found, reason = _squared_norms_checked(model, loss_fn, batch, trainable, chunk_size, owners)
             if found is not None:
-                reason = _end_gradients_alone(model, batch, trainable, "norms", lambda n: [found[0][n:n + 1]],
-                                              _example_gradients(model, loss_fn, trainable, norms=True))
-            if found is not None and reason is None:
                 squares, ghost, direct, _ = found
                 why = "a trace of the forward pass showed every operation keeps the examples apart"
                 norms = squares.clamp(min=0).sqrt()
@@ -524,6 +521,17 @@ def _clipped_from_outputs(layers, kept, shares, weights, trainable):
             direct = dict(zip(own, got))
         add(direct)
     return [found.get(name) for name in trainable]
+
+
+def _squared_norms_checked(model, loss_fn, batch, trainable, chunk_size, owners, max_norm=None):
+    """_squared_norms_fast, then its first and last examples' squared norms compared with theirs alone, once per model
+    and call signature (_end_gradients_alone: a backward pass that mixes the examples keeps the call off the fast
+    path). Returns (found, None), or (None, the reason the fast path steps aside)."""
+    found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, max_norm)
+    if found is not None:
+        reason = _end_gradients_alone(model, batch, trainable, "norms", lambda n: [found[0][n:n + 1]],
+                                      _example_gradients(model, loss_fn, trainable, norms=True))
+    return (found, None) if found is not None and reason is None else (None, reason)
 
 
 def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, max_norm=None, weights=None):
@@ -802,11 +810,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
                 # the weighted sum gives no example's gradient to compare with the example alone: the norms' fast
                 # path is compared instead (once per call signature, as in per_sample_grad_norms), so a backward
                 # pass that mixes the examples keeps this call off the fast path too
-                found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners)
-                if found is not None:
-                    reason = _end_gradients_alone(model, batch, trainable, "norms", lambda n: [found[0][n:n + 1]],
-                                                  _example_gradients(model, loss_fn, trainable, norms=True))
-                del found
+                reason = _squared_norms_checked(model, loss_fn, batch, trainable, chunk_size, owners)[1]
             if reason is None:  # book-keeping with the given weights: each layer's output gradient, weighted
                 found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, weights=weights)
                 if found is not None:
@@ -836,11 +840,8 @@ def _clipped_sum_one_pass(model, loss_fn, batch, trainable, max_norm, chunk_size
     (vmap, with recurrent layers unrolled; where that raised, one example at a time), clipped and summed."""
     reason, owners = _fast_path_screen(model, trainable, "norms", path, batch)
     if reason is None:
-        found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, max_norm)
+        found, reason = _squared_norms_checked(model, loss_fn, batch, trainable, chunk_size, owners, max_norm)
         if found is not None:
-            reason = _end_gradients_alone(model, batch, trainable, "norms", lambda n: [found[0][n:n + 1]],
-                                              _example_gradients(model, loss_fn, trainable, norms=True))
-        if found is not None and reason is None:
             return found[3], PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
     if path == "fast":
         raise ValueError(f"the fast path does not apply: {reason}")
