@@ -191,6 +191,13 @@ def test_the_dp_step_forms_small_layers_per_example_gradients_once(monkeypatch):
     model = build(CASES["shared positions, SDPA, padding mask"][0])
     reference = loop_grads(model, F.cross_entropy, IDS, TARGETS)
     check_clipped_sum(lambda max_norm: tfr.clipped_grad_sum(model, F.cross_entropy, IDS, TARGETS, max_norm=max_norm), reference)
+    # the first call of a call signature also takes its first and last examples' gradients by the same formulas,
+    # weighted by a one-hot (_squared_norms_checked): three weighted sums per layer, the small layers' formed once
+    assert dict(calls) == {("layer_norm", "per_example_grads"): 1, ("embedding", "per_example_grads"): 1,
+                           ("embedding", "squared_norms"): 1, ("embedding", "weighted_sum"): 3,
+                           ("linear", "squared_norms"): 2, ("linear", "weighted_sum"): 6}, dict(calls)
+    calls.clear()  # a second call: the sum's own
+    check_clipped_sum(lambda max_norm: tfr.clipped_grad_sum(model, F.cross_entropy, IDS, TARGETS, max_norm=max_norm), reference)
     assert dict(calls) == {("layer_norm", "per_example_grads"): 1, ("embedding", "per_example_grads"): 1,
                            ("embedding", "squared_norms"): 1, ("embedding", "weighted_sum"): 1,
                            ("linear", "squared_norms"): 2, ("linear", "weighted_sum"): 2}, dict(calls)

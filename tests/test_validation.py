@@ -1065,6 +1065,30 @@ def test_a_mixing_on_a_layer_with_small_gradients_keeps_off_the_fast_path_in_flo
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("norms_given", [False, True])
+@pytest.mark.parametrize("recipe", ["clipped_grad_sum", "clipped_noisy_gradient"])
+def test_a_clipped_sum_sees_a_mixing_on_a_layer_with_small_gradients_in_float32(recipe, norms_given):
+    """The clipped sums' fast path was checked through the norms: the first layer's share of the squared norm is
+    1e-10, so a mixing there went unseen, and the sums were 0.67 off on that layer (relative to its own largest
+    entry), with norms given or not. The end examples' gradients, from the same output gradients as the sum, are now
+    compared with theirs alone, parameter by parameter: the call goes to vmap and equals the definition."""
+    model, x = SmallLayerMixed(), X.float()
+    each = tfr.per_sample_grads(model, CE, x, T, path="loop")
+    norms = torch.cat([g.flatten(1) for g in each.values()], dim=1).double().norm(dim=1)
+    factors = (0.5 / (norms + 1e-6)).clamp(max=1).float()
+    expected = {name: torch.tensordot(factors, g, dims=1) for name, g in each.items()}
+    given = {"norms": norms.float()} if norms_given else {}
+    for _ in range(2):  # the second call goes off the fast path at once, for the remembered reason
+        if recipe == "clipped_grad_sum":
+            result, report = tfr.clipped_grad_sum(model, CE, x, T, max_norm=0.5, report=True, **given)
+        else:  # noise_multiplier 0: the mean of the clipped sum
+            result, report = tfr.clipped_noisy_gradient(model, CE, x, T, max_norm=0.5, noise_multiplier=0.0,
+                                                        expected_batch_size=1, report=True, **given)
+        assert report.path == "vmap" and "the backward pass mixes the examples" in report.reason
+        for name, want in expected.items():  # each tensor to 1e-5 of its own largest entry (float32 roundings)
+            assert torch.allclose(result[name], want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), name
+
+
 @pytest.mark.parametrize("how", ["tensor hook", "node prehook", "saved tensors", "observer", "clamp"])
 @pytest.mark.parametrize("path", ["auto", "vmap", "loop"])
 def test_a_clipped_sum_with_norms_given_weights_the_gradients_not_the_losses(how, path):
@@ -1076,7 +1100,8 @@ def test_a_clipped_sum_with_norms_given_weights_the_gradients_not_the_losses(how
     fast path and under vmap; a clamp that bites only for a middle example, 1.22 on every path (an adversarial review
     found it: a check of the end examples alone does not see it). The clip factors now weight each example's
     gradient: on the fast path each layer's output gradient, as with norms=None; elsewhere each chunk's per-example
-    gradients. A backward pass that mixes the examples is found by the norms' check on the first call."""
+    gradients. A backward pass that mixes the examples is found on the first call by comparing the end examples'
+    gradients (from the sum's own output gradients) with theirs alone."""
     model = ClampsOneExample() if how == "clamp" else BackwardHook(how)
     mse = lambda out, t: F.mse_loss(out, t)  # noqa: E731
     targets = torch.zeros(5, 2, dtype=torch.float64).index_fill_(0, torch.tensor([2]), 20.0) if how == "clamp" else T

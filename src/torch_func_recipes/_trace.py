@@ -640,6 +640,8 @@ def _fast_path_screen(model: nn.Module, trainable: dict[str, nn.Parameter], need
         return size_read, None
     failed = _FAILED.get(model)  # the key (a call signature) is worked out only where something failed before
     mixed = failed.get(_backward_key(model, batch, trainable, need, variant)) if failed else None
+    if failed and not mixed and need == "norms":  # the clipped sums' comparison of gradients (per_sample)
+        mixed = failed.get(_backward_key(model, batch, trainable, "weighted sum", variant))
     if mixed:  # _end_gradients_alone found the backward pass mixing the examples
         return mixed, None
     return None, owners
@@ -815,7 +817,7 @@ def _gradients_checked(model, batch, trainable, need, variant=None):
     return len(batch) < 2 or key is not None and key in _per_model(_GRADS_CHECKED, model, set)
 
 
-def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=None):
+def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=None, covers=()):
     """None, or the reason the fast path's answer is set aside: its first and last examples' gradients (or squared
     norms, or Jacobian rows weighted and summed) must agree with those examples' alone. found(n), alone(example n as a
     batch of one): the fast path's and the lone example's, as lists of tensors (_example_gradients, or
@@ -830,7 +832,8 @@ def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=No
     leaves the end examples as they are alone, one on a tensor whose entries are below _SCALE_FLOOR of the largest,
     or, for the norms, one that moves them by less than the tolerance (saved-tensor hooks that quantise with one
     scale for the whole batch: 1e-4 of the squared norms; a layer whose gradients are 1e-5 of another's, whose share
-    of the squared norm is 1e-10)."""
+    of the squared norm is 1e-10). covers: other needs a passed comparison also counts as done for (the clipped sums'
+    comparison of gradients, for the norms of the same call signature)."""
     checked = _per_model(_GRADS_CHECKED, model, set)
     key = _backward_key(model, batch, trainable, need, variant)
     if len(batch) < 2 or key is not None and key in checked:
@@ -860,6 +863,7 @@ def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=No
             return reason
     if key is not None and variant is None:
         checked.add(key)
+        checked.update(k for k in (_backward_key(model, batch, trainable, other) for other in covers) if k is not None)
     return None
 
 

@@ -476,14 +476,14 @@ def _small_shares(layer, g, trainable, batch):
     return own if batch * largest <= g.numel() else None
 
 
-def _clipped_from_outputs(layers, kept, shares, weights, trainable):
+def _clipped_from_outputs(layers, kept, shares, weights, trainable, in_place=True):
     """[sum_i w_i g_i for each trainable parameter], from the traced layers alone: each layer's output gradient
     (kept: {layer index: gradient of the summed losses at its output}) weighted by its example's w_i, pulled back
     to that layer's own parameters only: by the rule's own formula (weighted_sum: a linear layer's g^T a, one
     matrix product), or else by autograd, which walks only the layer's own operation where the parameter has that
     one use (its input's gradient is not asked for); or, for a layer whose per-example gradients were kept
     (shares: {layer index: {name: (n, *shape)}}, _small_shares), their sum weighted by w. A parameter several
-    layers use gets their shares added."""
+    layers use gets their shares added. in_place=False leaves the kept gradients as they are (for another weighting)."""
     found: dict[str, torch.Tensor | None] = {}
     uses: dict[str, int] = {}
 
@@ -509,7 +509,7 @@ def _clipped_from_outputs(layers, kept, shares, weights, trainable):
         g = _delta_in_dtype(layer, kept[k]) if rule.has_weighted_sum() else kept[k]  # autograd takes the output's dtype
         per_row = weights.to(g.dtype).repeat_interleave(g.shape[0] // len(weights)).view(-1, *[1] * (g.dim() - 1))
         if rule.has_weighted_sum():  # the layer's own formula (the graph was not kept for these)
-            alone = g is not kept[k] or memory[g.untyped_storage().data_ptr()] == 1 and g.is_contiguous()
+            alone = g is not kept[k] or in_place and memory[g.untyped_storage().data_ptr()] == 1 and g.is_contiguous()
             direct = rule.weighted_sum(_in_dtype(layer), g.mul_(per_row) if alone else g * per_row)
             if direct is None:
                 raise RuntimeError(f"the {rule.kind} rule defines weighted_sum but gave no answer")
@@ -523,18 +523,26 @@ def _clipped_from_outputs(layers, kept, shares, weights, trainable):
     return [found.get(name) for name in trainable]
 
 
-def _squared_norms_checked(model, loss_fn, batch, trainable, chunk_size, owners, max_norm=None):
-    """_squared_norms_fast, then its first and last examples' squared norms compared with theirs alone, once per model
-    and call signature (_end_gradients_alone: a backward pass that mixes the examples keeps the call off the fast
-    path). Returns (found, None), or (None, the reason the fast path steps aside)."""
-    found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, max_norm)
-    if found is not None:
+def _squared_norms_checked(model, loss_fn, batch, trainable, chunk_size, owners, max_norm=None, weights=None):
+    """_squared_norms_fast, then its first and last examples compared with those examples alone, once per model and
+    call signature (_end_gradients_alone: a backward pass that mixes the examples keeps the call off the fast path).
+    For the norms alone, their squared norms; for a weighted sum (max_norm or weights), their gradients, taken from
+    the same output gradients as the sum, parameter by parameter: a mixing on a layer whose gradients are 1e-5 of
+    another's moves the squared norm by 1e-10, but that layer's share of the sum by as much as the mixing.
+    Returns (found, None), or (None, the reason the fast path steps aside)."""
+    book = max_norm is not None or weights is not None
+    ends = book and not _gradients_checked(model, batch, trainable, "weighted sum")
+    found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, max_norm, weights, ends)
+    if found is not None and not book:
         reason = _end_gradients_alone(model, batch, trainable, "norms", lambda n: [found[0][n:n + 1]],
                                       _example_gradients(model, loss_fn, trainable, norms=True))
+    elif found is not None and ends:
+        reason = _end_gradients_alone(model, batch, trainable, "weighted sum", lambda n: found[4][n],
+                                      _example_gradients(model, loss_fn, trainable), covers=("norms",))
     return (found, None) if found is not None and reason is None else (None, reason)
 
 
-def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, max_norm=None, weights=None):
+def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, max_norm=None, weights=None, ends=False):
     """On the batched forward and backward pass, where a trace shows each example's rows stay its own:
     ((B,) squared norms, ghost names, direct names, clipped sum or None), or None and the reason it does
     not apply. Each layer's output gradient is reduced to its share of the norms by a hook as soon as the
@@ -545,8 +553,10 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, ma
     gradient larger than its layer's output gradient (a layer whose per-example gradients are no larger, a
     normalisation's scale and shift, keeps those instead: _small_shares), and the same forward pass (so the
     same dropout masks). With weights (a (B,) tensor, in place of the clip factors), that weighted sum without the
-    norms: the squares returned are then zeros."""
-    squares, how = [], {}
+    norms: the squares returned are then zeros. ends=True (with max_norm or weights) adds a fifth item: {n: the
+    gradients of example n} for the first and last examples, from the same output gradients (what
+    _squared_norms_checked compares with those examples alone)."""
+    squares, how, end_grads = [], {}, {}
     book = max_norm is not None or weights is not None
     clipped: list[torch.Tensor | None] | None = [None] * len(trainable) if book else None
     step = chunk_size or len(batch)
@@ -607,6 +617,10 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, ma
         for k in set(range(len(layers))) - done:  # outputs the loss does not depend on: a share of zero
             take(k, torch.zeros_like(layers[k]["z"]))
         squares.append(chunk)
+        for n in (0, len(batch) - 1) if ends and clipped is not None and total.requires_grad else ():
+            if start <= n < start + len(part):  # example n's gradient: the output gradients weighted by a one-hot
+                one_hot = chunk.new_zeros(len(part)).index_fill_(0, torch.tensor([n - start], device=chunk.device), 1.0)
+                end_grads[n] = _clipped_from_outputs(layers, kept, shares, one_hot, trainable, in_place=False)
         if clipped is not None and total.requires_grad:  # book-keeping: each layer's output gradient, reweighted
             factors = _clip_factors(chunk.clamp(min=0).sqrt(), max_norm) if weights is None else weights[start:start + len(part)]
             grads = _clipped_from_outputs(layers, kept, shares, factors, trainable)
@@ -614,8 +628,12 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, ma
         del output, layers, deltas, kept, shares, losses, total
     result = None if clipped is None else {name: torch.zeros_like(p) if g is None else g
                                            for (name, p), g in zip(trainable.items(), clipped)}
-    return (torch.cat(squares), sorted(n for n, k in how.items() if k == "ghost"),
-            sorted(n for n, k in how.items() if k == "direct"), result), None
+    found: tuple = (torch.cat(squares), sorted(n for n, k in how.items() if k == "ghost"),
+                    sorted(n for n, k in how.items() if k == "direct"), result)
+    if ends:
+        params = list(trainable.values())
+        found += ({n: _dense_grads(end_grads.get(n, [None] * len(params)), params) for n in (0, len(batch) - 1)},)
+    return found, None
 
 
 def _squared_norms_by_vmap(model, loss_fn, batch, layers, streamed, chunk_size):
@@ -742,12 +760,14 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
     back to that layer's own parameters only, with no second pass through the model (a layer whose
     per-example gradients take no more memory than its output gradient, a normalisation's scale and shift,
     keeps those instead, from the norms, and weights them); memory: the layers' output gradients, as large
-    as their outputs, and no ``(B, *shape)`` tensor larger than its layer's output gradient. Elsewhere
+    as their outputs, and no ``(B, *shape)`` tensor larger than its layer's output gradient; on the first call of a
+    call signature also the first and last examples' gradients (two parameter-sized sets), taken from the same
+    output gradients and compared with those examples alone, so that a backward pass that mixes the examples (a
+    gradient hook on an activation) keeps the call off the fast path. Elsewhere
     (``"vmap"``, ``"unroll"``, else ``"loop"``, one example at a time) each chunk's per-example gradients are
     clipped and summed: memory ``chunk_size`` examples' gradients, the whole batch's when ``chunk_size`` is None.
     With ``norms`` given, the same on a new forward pass, with the clip factors from ``norms`` (the norms are not
-    computed again, except on the first call of a call signature, whose norms' fast path is compared with its end
-    examples alone, as in :func:`per_sample_grad_norms`): pass ``norms`` only for a model without randomness, whose
+    computed again; the first call of a call signature is checked as above): pass ``norms`` only for a model without randomness, whose
     forward passes agree (a forward pass that draws random numbers is refused). The factors weight each example's
     gradient, never its loss: weighting the losses would weight the gradients only where the backward pass is linear
     in the weights, and a gradient hook that clamps or normalises what it is given is not.
@@ -806,13 +826,8 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
         before = _generator_states(cuda, held)  # a forward pass that draws random numbers is not the one the norms came from
         with _GeneratorWatch() as watch:  # the generators drawn from that the states do not cover (held deeper, global)
             reason, owners = _fast_path_screen(model, trainable, "norms", path, batch)
-            if reason is None and not _gradients_checked(model, batch, trainable, "norms"):
-                # the weighted sum gives no example's gradient to compare with the example alone: the norms' fast
-                # path is compared instead (once per call signature, as in per_sample_grad_norms), so a backward
-                # pass that mixes the examples keeps this call off the fast path too
-                reason = _squared_norms_checked(model, loss_fn, batch, trainable, chunk_size, owners)[1]
             if reason is None:  # book-keeping with the given weights: each layer's output gradient, weighted
-                found, reason = _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, weights=weights)
+                found, reason = _squared_norms_checked(model, loss_fn, batch, trainable, chunk_size, owners, weights=weights)
                 if found is not None:
                     total, how = found[3], PathReport("fast", "a trace of the forward pass showed every operation keeps the examples apart")
             if reason is not None:
