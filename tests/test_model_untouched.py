@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.nn.utils.parametrize as parametrize
 
 import torch_func_recipes as tfr
 from test_validation import ALL, CURVATURE
@@ -101,6 +102,8 @@ def snapshot(model):
         "values": {k: {name: v for name, v in vars(m).items() if isinstance(v, (bool, int, float, str))}
                    for k, m in model.named_modules()},
         "forward": {k: type(m).forward for k, m in model.named_modules()},
+        "class": {k: type(m) for k, m in model.named_modules()},
+        "buffers require grad": {(k, b): v.requires_grad for k, m in model.named_modules() for b, v in m._buffers.items() if v is not None},
     }
 
 
@@ -197,7 +200,8 @@ class ChangesItsStructure(nn.Module):
     """A forward pass that changes what the model is made of, one way per `how`, as models do: a submodule built on
     the first call (a plain attribute None until then), a parameter made on the first call, a forward hook, a
     gradient hook or a post-accumulate-grad hook on a parameter registered by every call, a buffer None until the first call fills it, a buffer cast
-    to the input's dtype through .data, a parameter frozen by the forward pass."""
+    to the input's dtype through .data, a parameter frozen by the forward pass, a parametrization registered on
+    the first call (which swaps the module's class), a buffer made to require grad."""
 
     def __init__(self, how):
         super().__init__()
@@ -224,11 +228,16 @@ class ChangesItsStructure(nn.Module):
             self.scale.data = self.scale.data.to(x.dtype)
         if self.how == "frozen by forward":
             self.encode.bias.requires_grad_(False)
+        if self.how == "parametrization registered" and not parametrize.is_parametrized(self.head):
+            parametrize.register_parametrization(self.head, "weight", nn.Identity())
+        if self.how == "buffer made to require grad":
+            self.scale.requires_grad_(True)
         return self.head(h) * (self.scale.to(x.dtype) if self.cache is None else self.cache)
 
 
 STRUCTURE = ["lazy submodule", "lazy parameter", "forward hook", "parameter hook", "post-accumulate hook",
-             "None buffer filled", "buffer cast through .data", "frozen by forward"]
+             "None buffer filled", "buffer cast through .data", "frozen by forward", "parametrization registered",
+             "buffer made to require grad"]
 
 
 @pytest.mark.parametrize("how", STRUCTURE)
@@ -237,7 +246,8 @@ def test_a_forward_pass_that_changes_the_models_structure_leaves_it_as_it_was(re
     """What such a forward pass did (the recipes run it several times: the trace, the checks, the loop) is undone,
     whether the recipe answers or raises (a parameter frozen during the call, say: autograd's error). An
     adversarial review found each left behind; a shallow put-back of the attributes alone made the lazy submodule
-    worse: the attribute None again, the submodule still registered."""
+    worse: the attribute None again, the submodule still registered. A second review found a parametrization
+    registered during the call left the module's class swapped, the model broken (KeyError on its next call)."""
     model = ChangesItsStructure(how)
     before = snapshot(model)
     if how == "frozen by forward":  # every pass would differentiate another set of parameters: refused
@@ -249,6 +259,7 @@ def test_a_forward_pass_that_changes_the_models_structure_leaves_it_as_it_was(re
         except (ValueError, RuntimeError):  # the lazy parameter: not among those the call began with
             pass
     assert snapshot(model) == before
+    model(X)  # and it still runs
 
 
 def test_the_snapshot_sees_each_change_of_structure():

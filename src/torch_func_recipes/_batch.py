@@ -921,6 +921,7 @@ def _model_kept(model: Any) -> Any:
       the ResNet of scripts/gpu_table.py, none on its GPT-2): one a forward pass or hook changed in place (a
       running statistic kept by hand, spectral_norm's power iteration in training mode), through .data (which
       moves no version: the values are compared; a dtype it gave is put back too), or replaced is put back.
+    - each module's class (register_parametrization swaps it for a subclass), and each buffer's requires_grad.
     - each module's own attributes (its __dict__, shallow): one rebound during the call (a call counter,
       `self.calls += 1`; the training flag; spectral_norm's weight, recomputed by every forward pass) is set back
       to the object it held, and one added is removed; and the contents of the dicts and sets nn.Module keeps its
@@ -947,6 +948,7 @@ def _model_kept(model: Any) -> Any:
     params: dict[int, nn.Parameter] = {}  # one walk of the modules (named_parameters and named_buffers cost 4x more)
     buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
     found: list[tuple[nn.Module, dict[str, Any], tuple[Any, ...], list[Any]]] = []  # each module's attributes, containers
+    classes: list[tuple[nn.Module, type]] = []  # each module's class (register_parametrization swaps it)
     for module in model.modules() if isinstance(model, nn.Module) else ():
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
             name = next(n for n, m in model.named_modules() if m is module)
@@ -962,8 +964,10 @@ def _model_kept(model: Any) -> Any:
         attributes = dict(vars(module))
         containers = [held for held in map(attributes.get, _MODULE_CONTAINERS) if held is not None]
         found.append((module, attributes, tuple([held for held in containers if not held]), [(held, held.copy()) for held in containers if held]))
+        classes.append((module, module.__class__))
     versions = {key: p._version for key, p in params.items() if not p.is_inference()}
     flags = {key: p.requires_grad for key, p in params.items()}
+    buffer_flags = [b.requires_grad for _, _, b in buffers]
     hooks = {key: dict(p._backward_hooks) for key, p in params.items() if p._backward_hooks}  # each one's gradient hooks
     after = {key: dict(p._post_accumulate_grad_hooks) for key, p in params.items() if p._post_accumulate_grad_hooks}
     with torch.inference_mode(False), torch.no_grad():  # an inference tensor has no version, and nothing writes it here
@@ -986,6 +990,12 @@ def _model_kept(model: Any) -> Any:
                 p.grad = grad
         for module, attributes, empty, full in found:
             _put_back_attributes(module, attributes, empty, full)
+        for module, cls in classes:
+            if module.__class__ is not cls:  # a parametrization registered during the call
+                module.__class__ = cls
+        for (_, _, b), flag in zip(buffers, buffer_flags):
+            if b.requires_grad != flag and b.is_leaf:
+                b.requires_grad_(flag)
         switched = [p for key, p in params.items() if p.requires_grad != flags[key]]  # by the model's own code
         for p in switched:
             p.requires_grad_(not p.requires_grad)

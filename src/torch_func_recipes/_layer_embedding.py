@@ -5,9 +5,10 @@ that repeat add up), so its squared norm sums g_s . g_t over the pairs of positi
 same id; the padding row gets no gradient. Only the ids may carry example data. A table looked up with
 ids every example shares (position embeddings) gives a tensor every example shares; the fast path follows
 it to the one addition that broadcasts it over the batch (x + e, nothing else), whose output gradient is
-then each example's gradient of e. Any other use of it stops the fast path. Registered in _layers; also copied, without this
-docstring, into the notebook cells tagged `shared-package` by scripts/build_shared.py:
-edit it here.
+then each example's gradient of e; ids of the batch's size (a buffer sliced to its length) must be the same for
+every example (_trace._same_for_each), else the examples' positions would choose their lookups. Any other use
+of it stops the fast path. Registered in _layers; also copied, without this docstring, into the notebook cells
+tagged `shared-package` by scripts/build_shared.py: edit it here.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class _EmbeddingRule(_LayerRule):
             trace.fail(f"{func} combines a table lookup every example shares with example data unusually")
         if info["added"]:
             trace.fail(f"{func}: the table lookup of {info['weight']} is used twice")
+        if how == "rows":  # ids of the batch's size, made without the examples: the same for each, or refused
+            trace.same_for_each(func, [info["ids"]], info["ids"].dim(), 1)
         info["added"] = True
         trace.layers.append(dict(kind=self.kind, weight=info["weight"], bias=None, a=info["ids"], z=result, r=1,
                                  padding_idx=info["padding_idx"], shared=how, table_shape=info["table_shape"],

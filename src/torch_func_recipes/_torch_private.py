@@ -64,7 +64,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch.utils._pytree.tree_flatten", "import", ("_batch._Batch._leaves", "_batch._Batch.loss", "_batch._Batch.tensors", "_batch._as_batch",
                                                                "_batch._check_parameters_reached", "_batch._detached",
                                                                "_batch._gradients_enabled.run",
-                                                               "_trace._run_trace", "output_jacobians._check_select_apart"),
+                                                               "_trace._run_trace", "_trace._same_again", "output_jacobians._check_select_apart"),
                "flattens an operator's nested arguments and results, a batch's nested inputs and targets, and a model's "
                "nested outputs, as torch's own dispatch code and vmap do, and torch has no public pytree module",
                None, None),
@@ -175,7 +175,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                None, lambda: torch.zeros(1)),
     PrivateAPI("Tensor._cdata", "object attribute", tuple(f"_trace._BatchTrace.{m}" for m in (
                    "__init__", "__torch_dispatch__", "admit", "follow_cast", "follow_fresh", "mark_transposed", "param_of", "r_of", "rule",
-                   "share", "shared_of", "transposed_of")) + ("_trace._same_for_each",),
+                   "share", "shared_of", "transposed_of")) + ("_trace._same_for_each", "_trace._only_drawn"),
                "the address of the C++ tensor, the one identity a tensor keeps while PyTorch frees and remakes its "
                "Python object (a view's base, a saved tensor); id() names the Python object only",
                None, lambda: torch.zeros(1)),

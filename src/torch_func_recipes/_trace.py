@@ -364,7 +364,7 @@ class _BatchTrace(TorchDispatchMode):
         for t in outs:  # reserve the results' keys (class docstring); an in-place result is its input, met before
             if t._cdata not in refs:
                 refs[t._cdata] = _WeakTensorRef(t)
-        if plan.draws or self.drawn and not self.drawn.isdisjoint(ids):
+        if plan.draws or self.drawn and not self.drawn.isdisjoint(ids) and _only_drawn(self, flat_args, outs):
             self.drawn.update(t._cdata for t in outs)
         if self.unknown and not self.unknown.isdisjoint(ids):
             self.fail(f"{func} uses a side result whose rows are not the examples")
@@ -560,8 +560,8 @@ def _same_for_each(trace, func, tensors, ndim, r):
     added row by row), where vmap and the loop, which see each example alone, give each its own. A mask of ones
     made for the batch (transformers' attention mask when none is given), or one expanded along dimension 0,
     has the same rows and passes, and so does one made from random draws (a dropout mask drawn for the batch by
-    torch.rand: each example gets draws of its own, as in the loop; a draw is not compared, as in
-    _end_rows_alone, so one made from the batch's position as well passes too). Cost: one comparison of each
+    torch.rand: each example gets draws of its own, as in the loop), unless a tensor of the batch's size whose rows
+    differ went into it too (_only_drawn). Cost: one comparison of each
     such constant's rows with its first example's, which reads its values (a synchronisation on a GPU); none for
     a constant expanded along dimension 0."""
     B = trace.batch
@@ -574,6 +574,26 @@ def _same_for_each(trace, func, tensors, ndim, r):
         if rows.stride(0) != 0 and not torch.equal(rows, rows[:1].expand_as(rows)):
             trace.fail(f"{func} combines example data with a tensor whose rows differ from one example to the next "
                        "(made from the batch's size, say): the examples' positions in the batch change their results")
+
+
+setattr(_BatchTrace, "same_for_each", _same_for_each)  # for the layer rules: trace.same_for_each(func, tensors, ndim, r)
+
+
+def _only_drawn(trace, tensors, outs):
+    """Whether the results of an operation on a random draw (trace.drawn) are made of draws only, as far as the
+    examples' positions go: False where it also takes a tensor made without the examples whose rows (along the
+    results' dimension 0) differ, such as a position mask (torch.rand(B, 1) < p) & (torch.arange(B)[:, None] != 2),
+    whose results _same_for_each must then compare. Reads the values of such a tensor only (rare: a dropout mask
+    meets numbers and example data)."""
+    out = outs[0] if outs else None
+    for a in tensors:
+        if out is None or a._cdata in trace.drawn or a._cdata in trace.rows or a.dim() != out.dim() or a.dim() == 0:
+            continue
+        if a.shape[0] == out.shape[0] > 1 and a.stride(0) != 0:
+            rows = a.detach()
+            if not torch.equal(rows, rows[:1].expand_as(rows)):
+                return False
+    return True
 
 
 def _losses_of_each(loss_fn, predictions: torch.Tensor, batch: _Batch) -> torch.Tensor:
@@ -722,8 +742,8 @@ def _end_rows_alone(model, memo, batch, output, key):
     try:
         with torch.enable_grad(), _generators_kept(memo, batch) as drew:
             alone = [_detached(batch.rows(slice(n, n + 1)).call(model)) for n in ends]
-            if drew():
-                alone = []  # random draws: nothing to compare
+            if drew() and not _same_again(alone, lambda: [_detached(batch.rows(slice(n, n + 1)).call(model)) for n in ends]):
+                alone = []  # random draws that change the result: nothing to compare
     except Exception:  # noqa: BLE001 (any error, no message read: the recipe's other paths meet it)
         alone = []
     together = _detached(output)
@@ -739,6 +759,16 @@ def _end_rows_alone(model, memo, batch, output, key):
     if key is not None and key[-1] is None:  # no select
         checked.add(key)
     return None
+
+
+def _same_again(first, again):
+    """Whether again() (the same lone passes, run on from where the first ones left the generators, so with other
+    draws) gives exactly first: then the draws change nothing (stochastic depth with a drop rate of 0, a branch no
+    draw takes) and the passes can be compared with the batch's; else (dropout) they cannot."""
+    second = again()
+    flat = lambda runs: [t for run in runs for t in tree_flatten(run)[0] if isinstance(t, torch.Tensor)]  # noqa: E731
+    return len(flat(first)) == len(flat(second)) and all(
+        a.shape == b.shape and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)) for a, b in zip(flat(first), flat(second)))
 
 
 def _autocast_slack(batch):
@@ -776,8 +806,10 @@ def _gradient_tolerance(eps):
 
 
 class _CoarsestRounding(TorchFunctionMode):
-    """Notes the largest rounding unit among the floating results of the torch functions it sees: the precision a
-    pass computed in (a float64 model that casts to float32 inside computes in float32)."""
+    """Notes the largest rounding unit among the floating results of the torch functions it sees that autograd
+    records: the precision a pass's gradients were computed in (a float64 model that casts to float32 inside
+    computes in float32); a tensor off the gradient's way (a mask made in bfloat16, then cast) is left out, since
+    it would widen the tolerance to bfloat16's for a float64 gradient."""
 
     def __init__(self):
         super().__init__()
@@ -786,7 +818,7 @@ class _CoarsestRounding(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         for t in result if isinstance(result, (list, tuple)) else (result,):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
                 self.eps = max(self.eps, torch.finfo(t.dtype).eps)
         return result
 
@@ -842,8 +874,8 @@ def _end_gradients_alone(model, batch, trainable, need, found, alone, variant=No
     try:
         with torch.enable_grad(), _generators_kept(model, batch) as drew, rounding:
             lone = [alone(batch.example(n)) for n in ends]
-            if drew():
-                lone = []  # random draws: nothing to compare
+            if drew() and not _same_again(lone, lambda: [alone(batch.example(n)) for n in ends]):
+                lone = []  # random draws that change the result: nothing to compare
     except Exception:  # noqa: BLE001 (any error, no message read: the recipe's other paths meet it)
         lone = []
     tolerance = max(_gradient_tolerance(rounding.eps), _autocast_slack(batch))
