@@ -556,22 +556,19 @@ class _BatchTrace(TorchDispatchMode):
 def _same_for_each(trace, func, tensors, ndim, r):
     """Stop the trace (a _BatchTrace) where a tensor made without example data (a constant to it) lines up its
     dimension 0 with the examples' (ndim dimensions, B*r rows) and holds other values for one example than for
-    another: the examples' positions in the batch then change their results (x * (torch.arange(len(x)) == 2), a table of a batch's size
-    added row by row), where vmap and the loop, which see each example alone, give each its own. A mask of ones
-    made for the batch (transformers' attention mask when none is given), or one expanded along dimension 0,
-    has the same rows and passes, and so does one made from random draws (a dropout mask drawn for the batch by
-    torch.rand: each example gets draws of its own, as in the loop), unless a tensor of the batch's size whose rows
-    differ went into it too (_only_drawn). Cost: one comparison of each
-    such constant's rows with its first example's, which reads its values (a synchronisation on a GPU); none for
-    a constant expanded along dimension 0."""
+    another: the examples' positions in the batch then change their results (x * (torch.arange(len(x)) == 2), a
+    table of a batch's size added row by row), where vmap and the loop, which see each example alone, give each its
+    own. A mask of ones made for the batch (transformers' attention mask when none is given), or one expanded along
+    dimension 0, has the same rows and passes, and so does one made from random draws (a dropout mask drawn for the
+    batch by torch.rand: each example gets draws of its own, as in the loop), unless a tensor of the batch's size
+    whose rows differ went into it too (_only_drawn). Cost: _rows_differ on each such constant."""
     B = trace.batch
     if B < 2:
         return
     for a in tensors:
         if a._cdata in trace.rows or a.dim() != ndim or a.shape[0] != B * r or a._cdata in trace.drawn:
             continue
-        rows = a.detach().unflatten(0, (B, r))
-        if rows.stride(0) != 0 and not torch.equal(rows, rows[:1].expand_as(rows)):
+        if _rows_differ(a, B):
             trace.fail(f"{func} combines example data with a tensor whose rows differ from one example to the next "
                        "(made from the batch's size, say): the examples' positions in the batch change their results")
 
@@ -589,11 +586,17 @@ def _only_drawn(trace, tensors, outs):
     for a in tensors:
         if out is None or a._cdata in trace.drawn or a._cdata in trace.rows or a.dim() != out.dim() or a.dim() == 0:
             continue
-        if a.shape[0] == out.shape[0] > 1 and a.stride(0) != 0:
-            rows = a.detach()
-            if not torch.equal(rows, rows[:1].expand_as(rows)):
-                return False
+        if a.shape[0] == out.shape[0] > 1 and _rows_differ(a, a.shape[0]):
+            return False
     return True
+
+
+def _rows_differ(a, groups):
+    """Whether a tensor's dimension 0, cut into `groups` equal parts (the examples' rows), holds other values in one
+    part than in the first. Reads its values (a synchronisation on a GPU), but not for a tensor expanded along
+    dimension 0 (stride 0), whose parts are the same memory."""
+    rows = a.detach().unflatten(0, (groups, -1))
+    return rows.stride(0) != 0 and not torch.equal(rows, rows[:1].expand_as(rows))
 
 
 def _losses_of_each(loss_fn, predictions: torch.Tensor, batch: _Batch) -> torch.Tensor:

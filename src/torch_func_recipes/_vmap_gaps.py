@@ -215,8 +215,8 @@ def _with_fallbacks(model, batch, path, run_vmap, run_loop, reason):
             add_note = getattr(error, "add_note", None)  # Python 3.11 on
             if recurrent and add_note:  # a hint beside torch's error, which names a shape or a kernel, not the layer
                 add_note(f"path='vmap' runs {type(recurrent[0][1]).__name__} {recurrent[0][0] or '(the model)'} "
-                               "through its own forward, which vmap cannot batch (it makes an unbatched initial "
-                               "state): path='unroll' or 'auto' computes it step by step under vmap")
+                         "through its own forward, which vmap cannot batch (it makes an unbatched initial "
+                         "state): path='unroll' or 'auto' computes it step by step under vmap")
             raise
     layers = _unrollable(model)
     if path == "unroll" and not layers:

@@ -767,8 +767,8 @@ def clipped_grad_sum(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | None 
     (``"vmap"``, ``"unroll"``, else ``"loop"``, one example at a time) each chunk's per-example gradients are
     clipped and summed: memory ``chunk_size`` examples' gradients, the whole batch's when ``chunk_size`` is None.
     With ``norms`` given, the same on a new forward pass, with the clip factors from ``norms`` (the norms are not
-    computed again; the first call of a call signature is checked as above): pass ``norms`` only for a model without randomness, whose
-    forward passes agree (a forward pass that draws random numbers is refused). The factors weight each example's
+    computed again; the first call of a call signature is checked as above): pass ``norms`` only for a model
+    without randomness, whose forward passes agree (a forward pass that draws random numbers is refused). The factors weight each example's
     gradient, never its loss: weighting the losses would weight the gradients only where the backward pass is linear
     in the weights, and a gradient hook that clamps or normalises what it is given is not.
 
