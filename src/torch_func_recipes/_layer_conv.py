@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.grad import conv1d_weight, conv2d_weight
 
-from ._layers import _LayerRule, _register
+from ._layers import _ghost_squares, _LayerRule, _register
 
 
 def _im2col(layer, a, delta):
@@ -163,9 +163,9 @@ class _ConvRule(_LayerRule):
         positions, k, o = g[0, 0].numel(), shape[1:].numel(), shape[0] // layer["groups"]  # per group: L tokens, k inputs, o outputs
         if positions * positions * (k + o) <= positions * k * o:  # token pairs cost less than the product
             # (B, G, C/G*k, L) and (B, G, O/G, L): per group, a linear layer with the L positions as tokens
-            patches, delta = _grouped(layer, a, g)
-            pairs = (patches.transpose(2, 3) @ patches) * (delta.transpose(2, 3) @ delta)
-            found.append((layer["weight"], pairs.sum((1, 2, 3)), "ghost"))
+            patches, delta = _grouped(layer, a, g)  # per example and group, L rows of k inputs and o outputs
+            each = _ghost_squares(patches.transpose(2, 3).flatten(0, 1), delta.transpose(2, 3).flatten(0, 1))
+            found.append((layer["weight"], each.view(len(patches), -1).sum(1), "ghost"))
         elif (way := _weight_way(layer, a, positions)) != "im2col":  # no im2col copy
             found.append((layer["weight"], self._each_weight(layer, a, g, way).flatten(1).square().sum(1), "direct"))
         else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._layers import _LayerRule, _register
+from ._layers import _ghost_squares, _LayerRule, _register
 
 _aten = torch.ops.aten
 
@@ -108,7 +108,7 @@ class _LinearRule(_LayerRule):
             found.append((bias, g.sum(1).square().sum(1), "direct"))
         if weight is not None:
             if a.shape[1] ** 2 <= a.shape[2] * g.shape[2]:  # token pairs cost less than the product
-                found.append((weight, ((a @ a.transpose(1, 2)) * (g @ g.transpose(1, 2))).sum((1, 2)), "ghost"))
+                found.append((weight, _ghost_squares(a, g), "ghost"))
             else:
                 found.append((weight, (g.transpose(1, 2) @ a).square().sum((1, 2)), "direct"))
         return found

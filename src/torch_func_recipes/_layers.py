@@ -21,6 +21,8 @@ notebook cells tagged `shared-package` by scripts/build_shared.py: edit it here.
 
 from __future__ import annotations
 
+import contextlib
+import math
 from typing import Any
 
 import torch
@@ -166,6 +168,44 @@ def _times(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return x.mul_(g) if x.dtype == torch.result_type(x, g) else x * g
 
 
+# A sum of token pairs (a ghost norm, a cross term) carries rounding on the scale of its terms, not of its result. Its
+# rounding is taken as u (sqrt(d_in) + sqrt(d_out) + log2(T1 T2) + 1) per unit of scale (u the unit roundoff, the
+# roundings of independent sign, as in Higham and Mary's probabilistic error analysis, SIAM J. Sci. Comput. 2019:
+# measured on the six families of scripts/gpu_table.py, float32 and bfloat16 autocast, the error was at most 0.55 of
+# it). Above _GHOST_MARGIN times its rounding, an error of twice that moves the result's square root by at most 1e-4
+# of itself; below, the result is taken as mostly rounding (its square root is 0 where it came out negative, which a
+# clip factor would take as no gradient at all, so the example would enter a DP step unclipped).
+_GHOST_MARGIN = 1e4
+
+
+def _pair_rounding(dtype: torch.dtype, widths: tuple[int, ...], rows: int) -> float:
+    """The rounding of a sum over `rows` pairs of inner products of vectors of the given widths, per unit of scale."""
+    return torch.finfo(dtype).eps / 2 * (sum(math.sqrt(w) for w in widths) + math.log2(max(rows, 1)) + 1)
+
+
+def _ghost_squares(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """(N,) squared norms ||g_n^T a_n||^2 for a (N, T, d_in) and g (N, T, d_out), from pairs of rows (the ghost
+    norm): sum over s, t of (a_s . a_t)(g_s . g_t), N T^2 (d_in + d_out) products in place of N T d_in d_out. In
+    float32 at least, with autocast off. Where the rows' gradients cancel, the pairs' sum is mostly rounding
+    (_GHOST_MARGIN; its scale, sum_t |a_t|^2 |g_t|^2, is the pairs' diagonal): those entries are the product
+    g_n^T a_n itself, found for them alone after one look at which they are (a synchronisation on a GPU)."""
+    work = torch.promote_types(torch.promote_types(a.dtype, g.dtype), torch.float32)
+    with _autocast_off(a.device.type):
+        a, g = a.to(work), g.to(work)
+        pairs = (a @ a.transpose(1, 2)).mul_(g @ g.transpose(1, 2))
+        found = pairs.sum((1, 2))
+        rounding = _pair_rounding(work, (a.shape[2], g.shape[2]), a.shape[1] ** 2)
+        unsure = (found < pairs.diagonal(dim1=1, dim2=2).sum(1).mul_(_GHOST_MARGIN * rounding)).nonzero()[:, 0]
+        if len(unsure):
+            found[unsure] = (g[unsure].transpose(1, 2) @ a[unsure]).square().sum((1, 2))
+    return found
+
+
+def _autocast_off(device: str) -> Any:
+    """A context with autocast off on this device (nothing to do, and nothing done, where it is off already)."""
+    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
+
+
 def _gram(x: tuple, y: tuple) -> torch.Tensor:
     """(B, T1, T2): the inner products of every row of factor x with every row of factor y, per example (factors as in
     _LayerRule.outer_factors; a one-hot row picks an entry of the other's row, two one-hot rows match or not)."""
@@ -200,6 +240,8 @@ class _CrossTerms:
                 if layer.get(part) is not None:
                     uses.setdefault(layer[part], []).append(k)
         self.pairs = [(name, k, later) for name, ks in uses.items() for i, k in enumerate(ks) for later in ks[i + 1:]]
+        self.names = {name: ks for name, ks in uses.items() if len(ks) > 1}
+        self.totals: dict[str, tuple] = {}  # name -> ((B,) its squared norm so far, (B,) that sum's rounding)
         self.mixed = [pair for pair in self.pairs if self._whole(pair[1], pair[0]) != self._whole(pair[2], pair[0])]
 
     def _whole(self, k: int, name: str) -> bool:
@@ -213,34 +255,77 @@ class _CrossTerms:
         return share.reshape(self.batch, -1)
 
     def take(self, k: int, g: torch.Tensor) -> torch.Tensor | None:
-        """Layer k's output gradient arrived: (B,) cross terms (already doubled) of the pairs it completes, or None."""
-        found, mine = None, None
-        for pair in self.pairs:
-            name, first, second = pair
-            if k not in (first, second):
-                continue
-            if mine is None:
-                mine = _rule_named(self.layers[k]["kind"]).outer_factors(_in_dtype(self.layers[k]), g.detach(), self.batch)
-            if pair not in self.kept:  # the first of the pair to arrive
-                self.kept[pair] = self._start(k, name, mine, second if k == first else first)
-                continue
-            cross = 2 * self._finish(k, name, self.kept.pop(pair), mine)
-            found = cross if found is None else found + cross
+        """Layer k's output gradient arrived: (B,) cross terms (already doubled) of the pairs it completes, or None.
+        With autocast off, as the layers' own shares (per_sample._layer_squares)."""
+        found, mine, scales = None, None, {}
+        with _autocast_off(g.device.type):
+            for pair in self.pairs:
+                name, first, second = pair
+                if k not in (first, second):
+                    continue
+                if mine is None:
+                    mine = _rule_named(self.layers[k]["kind"]).outer_factors(_in_dtype(self.layers[k]), g.detach(), self.batch)
+                    if mine is None:  # the trace lets a second use through only for rules with outer_factors
+                        raise RuntimeError(f"the {self.layers[k]['kind']} rule gives no outer factors for a cross term")
+                if name not in scales:  # layer k's own share of `name` (added by the caller) is as accurate as this
+                    scales[name], rounding = self._scale(k, name, mine)
+                    self.add(name, None, rounding * scales[name])
+                if pair not in self.kept:  # the first of the pair to arrive
+                    self.kept[pair] = (*self._start(k, name, mine, second if k == first else first), scales[name])
+                    continue
+                *kept, scale = self.kept.pop(pair)
+                cross, rounding = self._finish(k, name, kept, mine)
+                self.add(name, 2 * cross, 2 * rounding * (scale * scales[name]).sqrt())
+                found = 2 * cross if found is None else found + 2 * cross
         return found
+
+    def add(self, name: str, share: torch.Tensor | None, rounding: torch.Tensor | None = None) -> None:
+        """Count a (B,) share of the squared norm of `name`, if a parameter several layers use (a layer's own share,
+        or a cross term), and its rounding."""
+        if name not in self.names:
+            return
+        total, error = self.totals.get(name, (0, 0))
+        self.totals[name] = (total if share is None else share + total, error if rounding is None else rounding + error)
+
+    def unsure(self, offset: int = 0) -> str | None:
+        """Why the cross terms cannot be trusted, or None: a parameter whose uses' shares of some example's gradient
+        nearly cancel, so that its squared norm is mostly the cross terms' rounding (_GHOST_MARGIN)."""
+        for name, (total, error) in self.totals.items():
+            unsure = (total < _GHOST_MARGIN * error).nonzero()[:, 0]
+            if len(unsure):
+                return (f"the shares of the gradient of parameter {name} from its {len(self.names[name])} uses nearly "
+                        f"cancel for example {offset + int(unsure[0])}, so their cross terms leave its norm to rounding")
+        return None
+
+    def _scale(self, k: int, name: str, mine: dict) -> tuple[torch.Tensor, float]:
+        """Layer k's share of `name`, for the rounding of the sums it enters: ((B,) its scale, the rounding of its own
+        share per unit of that scale). Given whole, |share|^2; else sum_t |u_t|^2 |v_t|^2, the scale of the pairs'
+        sum (_ghost_squares), which bounds a share found as the product itself too."""
+        if self._whole(k, name):
+            share = self._share(k, name, mine)
+            return share.square().sum(1), _pair_rounding(share.dtype, (), share.shape[1])
+        dense = [value for form, value in (mine["u"], mine["v"]) if form == "dense"]
+        norms = [torch.linalg.vector_norm(value, dim=2) for value in dense]
+        scale = (norms[0] * norms[1] if len(norms) == 2 else norms[0]).square().sum(1)
+        return scale, _pair_rounding(dense[0].dtype, tuple(value.shape[2] for value in dense), dense[0].shape[1] ** 2)
 
     def _start(self, k, name, mine, other):
         if self._whole(k, name):
-            return self._share(k, name, mine)
+            return (self._share(k, name, mine),)
         theirs: dict = _rule_named(self.layers[other]["kind"]).outer_factors(_in_dtype(self.layers[other]), None, self.batch) or {}
         side = "u" if theirs["u"][1] is not None else "v"  # their factor known without their output gradient
         return side, _gram(mine[side], theirs[side]), mine["v" if side == "u" else "u"]
 
     def _finish(self, k, name, kept, mine):
+        """(B,) the pair's inner products, and their rounding per unit of scale."""
         if self._whole(k, name):
-            return (kept * self._share(k, name, mine)).sum(1)
+            share = self._share(k, name, mine)
+            return (kept[0] * share).sum(1), _pair_rounding(share.dtype, (), share.shape[1])
         side, gram, their_other = kept
         other_side = "v" if side == "u" else "u"
-        return (gram * _gram(their_other, mine[other_side])).sum((1, 2))
+        pairs = gram * _gram(their_other, mine[other_side])
+        widths = tuple(value.shape[2] for form, value in (their_other, mine[side]) if form == "dense")
+        return pairs.sum((1, 2)), _pair_rounding(pairs.dtype, widths, pairs.shape[1] * pairs.shape[2])
 
 
 def _rule_of(module: nn.Module, rules: tuple[_LayerRule, ...], short: str = "weight") -> _LayerRule | None:

@@ -42,7 +42,7 @@ from ._batch import (
     _set_generator_states,
     _Unbatched,
 )
-from ._layers import _CrossTerms, _delta_in_dtype, _in_dtype, _rule_named, _write_or_add
+from ._layers import _autocast_off, _CrossTerms, _delta_in_dtype, _ghost_squares, _in_dtype, _rule_named, _write_or_add
 from ._trace import (
     PathReport,
     _changed_by_loss,
@@ -442,8 +442,11 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: _LossFn, inputs: _Inputs | 
 def _layer_squares(layer, g, batch):
     """[(parameter name, (batch,) squared norms of its per-example gradients, "ghost" or "direct")] for one
     traced layer, from its input and the gradient g of the summed loss with respect to its output, by its
-    kind's rule (_layers)."""
-    return _rule_named(layer["kind"]).squared_norms(_in_dtype(layer), g.detach(), batch)
+    kind's rule (_layers), with autocast off: under it, the rule's products would run in bfloat16, 4e-3 of each
+    term, and a sum of products loses more where its terms cancel (the recorded tensors are cast to the
+    parameters' dtype, _in_dtype)."""
+    with _autocast_off(g.device.type):
+        return _rule_named(layer["kind"]).squared_norms(_in_dtype(layer), g.detach(), batch)
 
 
 def _lowest_layers(layers):
@@ -589,11 +592,13 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, ma
                 _per_example_products(layer, g, each)
                 shares[k] = each  # noqa: F821 (as above)
                 for name, e in each.items() if weights is None else ():
-                    chunk.add_(_row_squares(e))
+                    chunk.add_(share := _row_squares(e))
+                    cross.add(name, share)
                     how[name] = "direct"
             elif weights is None:
                 for name, s, kind in _layer_squares(layer, g, len(part)):
                     chunk.add_(s)
+                    cross.add(name, s)
                     how[name] = kind
             if cross.pairs and weights is None:
                 between = cross.take(k, g)
@@ -616,6 +621,8 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, ma
             take(k, torch.zeros_like(layers[k]["z"]) if delta is None else delta)
         for k in set(range(len(layers))) - done:  # outputs the loss does not depend on: a share of zero
             take(k, torch.zeros_like(layers[k]["z"]))
+        if cross.pairs and weights is None and (unsure := cross.unsure(start)) is not None:
+            return None, unsure
         squares.append(chunk)
         for n in (0, len(batch) - 1) if ends and clipped is not None and total.requires_grad else ():
             if start <= n < start + len(part):  # example n's gradient: the output gradients weighted by a one-hot
@@ -682,7 +689,7 @@ def _squared_norms_by_vmap(model, loss_fn, batch, layers, streamed, chunk_size):
                     squares[rows] += g.sum(1).square().sum(1)
                     direct.add(name)
                 elif a.shape[1] ** 2 <= a.shape[2] * g.shape[2]:  # token pairs cost less than the product
-                    squares[rows] += ((a @ a.transpose(1, 2)) * (g @ g.transpose(1, 2))).sum((1, 2))
+                    squares[rows] += _ghost_squares(a, g)
                     ghost.add(name)
                 else:
                     squares[rows] += (g.transpose(1, 2) @ a).square().sum((1, 2))
