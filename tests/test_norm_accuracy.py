@@ -176,3 +176,53 @@ def test_norms_where_rows_cancel_under_autocast(kind):
     assert report.path == how.path == "fast" and report.ghost == ["layer.weight"], (report, how)
     assert relative(norms, loop.double()) < 1e-2
     assert (clipped["layer.weight"] - expected["layer.weight"]).norm() < 1e-2 * expected["layer.weight"].norm()
+
+
+class Siamese(nn.Module):
+    """One encoder on two inputs, compared by their difference: its last bias's two shares cancel exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 16))
+
+    def forward(self, x1, x2):
+        return self.f(x1) - self.f(x2)
+
+
+def test_uses_that_cancel_in_a_small_share_keep_the_fast_path():
+    """The cross terms' rounding is judged against each example's whole squared norm (what its clip factor reads):
+    a siamese model's last bias gets exactly 0, its uses cancelling in every example, yet the norms are exact, and
+    stepping aside would stream every parameter of the encoder through vmap on every call (it did, per parameter)."""
+    torch.manual_seed(0)
+    model = Siamese()
+    g = torch.Generator().manual_seed(1)
+    x1, x2, y = torch.randn(B, D, generator=g), torch.randn(B, D, generator=g), torch.rand(B, generator=g)
+    loss = lambda diff, y: ((diff.square().sum(1) - y) ** 2).mean()  # noqa: E731
+    norms, report = tfr.per_sample_grad_norms(model, loss, (x1, x2), y, report=True)
+    assert report.path == "fast", report
+    assert relative(norms, tfr.per_sample_grad_norms(model, loss, (x1, x2), y, path="loop").double()) < 1e-5
+
+
+def test_a_bfloat16_tied_table_keeps_the_fast_path():
+    """A bfloat16 model's cross terms run in float32 (as its own shares do): in bfloat16 their rounding, 4e-3 of the
+    terms, was above the margin for every example, and a tied table always left the fast path."""
+    torch.manual_seed(0)
+    model = TiedLookup().bfloat16()
+    ids = torch.randint(1, 10, (B, T), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 10, (B,), generator=torch.Generator().manual_seed(2))
+    norms, report = tfr.per_sample_grad_norms(model, nn.functional.cross_entropy, ids, y, report=True)
+    assert report.path == "fast", report
+    loop = tfr.per_sample_grad_norms(model, nn.functional.cross_entropy, ids, y, path="loop")
+    assert relative(norms.float(), loop.double()) < 2e-2  # bfloat16 keeps 2^-8 = 3.9e-3 of each number
+
+
+class TiedLookup(nn.Module):
+    """A table that is also the output layer's weight (as in GPT-2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.head = nn.Embedding(10, D), nn.Linear(D, 10, bias=False)
+        self.head.weight = self.table.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.table(ids)).mean(1))

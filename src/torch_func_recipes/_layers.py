@@ -188,7 +188,8 @@ def _ghost_squares(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     norm): sum over s, t of (a_s . a_t)(g_s . g_t), N T^2 (d_in + d_out) products in place of N T d_in d_out. In
     float32 at least, with autocast off. Where the rows' gradients cancel, the pairs' sum is mostly rounding
     (_GHOST_MARGIN; its scale, sum_t |a_t|^2 |g_t|^2, is the pairs' diagonal): those entries are the product
-    g_n^T a_n itself, found for them alone after one look at which they are (a synchronisation on a GPU)."""
+    g_n^T a_n itself, found for them alone after one look at which they are (a synchronisation on a GPU), a few at a
+    time, so that their products together hold no more numbers than g."""
     work = torch.promote_types(torch.promote_types(a.dtype, g.dtype), torch.float32)
     with _autocast_off(a.device.type):
         a, g = a.to(work), g.to(work)
@@ -196,9 +197,22 @@ def _ghost_squares(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         found = pairs.sum((1, 2))
         rounding = _pair_rounding(work, (a.shape[2], g.shape[2]), a.shape[1] ** 2)
         unsure = (found < pairs.diagonal(dim1=1, dim2=2).sum(1).mul_(_GHOST_MARGIN * rounding)).nonzero()[:, 0]
-        if len(unsure):
-            found[unsure] = (g[unsure].transpose(1, 2) @ a[unsure]).square().sum((1, 2))
+        step = max(1, g.numel() // (a.shape[2] * g.shape[2]))
+        for part in unsure.split(step):
+            found[part] = (g[part].transpose(1, 2) @ a[part]).square().sum((1, 2))
     return found
+
+
+def _float32_at_least(factors: dict) -> dict:
+    """outer_factors' answer with its floating tensors in float32 at least (a bfloat16 model's cross terms would
+    otherwise round to 4e-3 of their terms)."""
+    def up(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(torch.promote_types(value.dtype, torch.float32))
+        if isinstance(value, tuple):
+            return tuple(up(v) for v in value)
+        return value
+    return {key: up(value) for key, value in factors.items()}
 
 
 def _autocast_off(device: str) -> Any:
@@ -229,7 +243,10 @@ class _CrossTerms:
     Gram and the first layer's other factor are kept, and the pair finishes when the second layer's output
     gradient arrives. A share given whole (a bias, or a rule with shares_whole: a scale per feature) is kept
     as it is, and the pair's inner product taken when the other arrives. `mixed` lists the pairs with one use
-    of each form, which this class cannot combine (the caller takes another path)."""
+    of each form, which this class cannot combine (the caller takes another path). Where the uses cancel, the
+    inner products are mostly rounding, as a ghost norm's are (_ghost_squares): each parameter's rounding is
+    counted, and `unsure` names an example whose squared norm it could move by more than 1e-4 of itself (the
+    caller takes another path). In float32 at least, with autocast off."""
 
     def __init__(self, layers: list[dict], batch: int):
         self.layers, self.batch = layers, batch
@@ -241,7 +258,7 @@ class _CrossTerms:
                     uses.setdefault(layer[part], []).append(k)
         self.pairs = [(name, k, later) for name, ks in uses.items() for i, k in enumerate(ks) for later in ks[i + 1:]]
         self.names = {name: ks for name, ks in uses.items() if len(ks) > 1}
-        self.totals: dict[str, tuple] = {}  # name -> ((B,) its squared norm so far, (B,) that sum's rounding)
+        self.rounding: dict[str, Any] = {}  # name -> (B,) the rounding of its shares and their cross terms
         self.mixed = [pair for pair in self.pairs if self._whole(pair[1], pair[0]) != self._whole(pair[2], pair[0])]
 
     def _whole(self, k: int, name: str) -> bool:
@@ -267,31 +284,30 @@ class _CrossTerms:
                     mine = _rule_named(self.layers[k]["kind"]).outer_factors(_in_dtype(self.layers[k]), g.detach(), self.batch)
                     if mine is None:  # the trace lets a second use through only for rules with outer_factors
                         raise RuntimeError(f"the {self.layers[k]['kind']} rule gives no outer factors for a cross term")
+                    mine = _float32_at_least(mine)
                 if name not in scales:  # layer k's own share of `name` (added by the caller) is as accurate as this
                     scales[name], rounding = self._scale(k, name, mine)
-                    self.add(name, None, rounding * scales[name])
+                    self._add(name, rounding * scales[name])
                 if pair not in self.kept:  # the first of the pair to arrive
                     self.kept[pair] = (*self._start(k, name, mine, second if k == first else first), scales[name])
                     continue
                 *kept, scale = self.kept.pop(pair)
                 cross, rounding = self._finish(k, name, kept, mine)
-                self.add(name, 2 * cross, 2 * rounding * (scale * scales[name]).sqrt())
+                self._add(name, 2 * rounding * (scale * scales[name]).sqrt())
                 found = 2 * cross if found is None else found + 2 * cross
         return found
 
-    def add(self, name: str, share: torch.Tensor | None, rounding: torch.Tensor | None = None) -> None:
-        """Count a (B,) share of the squared norm of `name`, if a parameter several layers use (a layer's own share,
-        or a cross term), and its rounding."""
-        if name not in self.names:
-            return
-        total, error = self.totals.get(name, (0, 0))
-        self.totals[name] = (total if share is None else share + total, error if rounding is None else rounding + error)
+    def _add(self, name: str, rounding: torch.Tensor) -> None:
+        """Count (B,) rounding in the squared norm of `name`, a parameter several layers use."""
+        self.rounding[name] = rounding + self.rounding.get(name, 0)
 
-    def unsure(self, offset: int = 0) -> str | None:
+    def unsure(self, squares: torch.Tensor, offset: int = 0) -> str | None:
         """Why the cross terms cannot be trusted, or None: a parameter whose uses' shares of some example's gradient
-        nearly cancel, so that its squared norm is mostly the cross terms' rounding (_GHOST_MARGIN)."""
-        for name, (total, error) in self.totals.items():
-            unsure = (total < _GHOST_MARGIN * error).nonzero()[:, 0]
+        nearly cancel, so that the example's squared norm (squares, over all parameters: what its clip factor
+        reads) is mostly the cross terms' rounding (_GHOST_MARGIN). Shares that cancel exactly in an example whose
+        other parameters have a gradient (a siamese model's last bias) leave that norm exact."""
+        for name, error in self.rounding.items():
+            unsure = (squares < _GHOST_MARGIN * error).nonzero()[:, 0]
             if len(unsure):
                 return (f"the shares of the gradient of parameter {name} from its {len(self.names[name])} uses nearly "
                         f"cancel for example {offset + int(unsure[0])}, so their cross terms leave its norm to rounding")
@@ -312,7 +328,8 @@ class _CrossTerms:
     def _start(self, k, name, mine, other):
         if self._whole(k, name):
             return (self._share(k, name, mine),)
-        theirs: dict = _rule_named(self.layers[other]["kind"]).outer_factors(_in_dtype(self.layers[other]), None, self.batch) or {}
+        theirs: dict = _float32_at_least(_rule_named(self.layers[other]["kind"]).outer_factors(_in_dtype(self.layers[other]), None,
+                                                                                                self.batch) or {})
         side = "u" if theirs["u"][1] is not None else "v"  # their factor known without their output gradient
         return side, _gram(mine[side], theirs[side]), mine["v" if side == "u" else "u"]
 

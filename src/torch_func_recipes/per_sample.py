@@ -592,13 +592,11 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, ma
                 _per_example_products(layer, g, each)
                 shares[k] = each  # noqa: F821 (as above)
                 for name, e in each.items() if weights is None else ():
-                    chunk.add_(share := _row_squares(e))
-                    cross.add(name, share)
+                    chunk.add_(_row_squares(e))
                     how[name] = "direct"
             elif weights is None:
                 for name, s, kind in _layer_squares(layer, g, len(part)):
                     chunk.add_(s)
-                    cross.add(name, s)
                     how[name] = kind
             if cross.pairs and weights is None:
                 between = cross.take(k, g)
@@ -621,7 +619,7 @@ def _squared_norms_fast(model, loss_fn, batch, trainable, chunk_size, owners, ma
             take(k, torch.zeros_like(layers[k]["z"]) if delta is None else delta)
         for k in set(range(len(layers))) - done:  # outputs the loss does not depend on: a share of zero
             take(k, torch.zeros_like(layers[k]["z"]))
-        if cross.pairs and weights is None and (unsure := cross.unsure(start)) is not None:
+        if cross.pairs and weights is None and (unsure := cross.unsure(chunk, start)) is not None:
             return None, unsure
         squares.append(chunk)
         for n in (0, len(batch) - 1) if ends and clipped is not None and total.requires_grad else ():
@@ -668,7 +666,8 @@ def _squared_norms_by_vmap(model, loss_fn, batch, layers, streamed, chunk_size):
     first = next(iter(model.parameters()))
     dtype, device = first.dtype, first.device
     squares = torch.zeros(len(batch), dtype=dtype, device=device)
-    ghost, direct = set(), set()
+    ghost: set[str] = set()
+    direct: set[str] = set()
     step = chunk_size or len(batch)
     for start in range(0, len(batch), step):
         rows = slice(start, start + step)
@@ -680,21 +679,28 @@ def _squared_norms_by_vmap(model, loss_fn, batch, layers, streamed, chunk_size):
                            in_dims=(None, 0, *in_dims), randomness="different")
         probes = [torch.zeros((n, *shape), dtype=dtype, device=device) for _, _, shape in layers.values()]
         (rest_grads, output_grads), layer_inputs = per_example(rest, probes, *values)
-        if rest_grads:  # one norm per parameter and example, then one sum: a few operations per parameter, no copy
-            squares[rows] += torch.stack([_row_squares(g) for g in rest_grads.values()]).sum(0)
-        for (module, own, _), a, g in zip(layers.values(), layer_inputs, output_grads):
-            a, g = a.reshape(n, -1, a.shape[-1]), g.reshape(n, -1, g.shape[-1])  # (n, T, d_in), (n, T, d_out)
-            for name, p in own.items():
-                if p is module.bias:
-                    squares[rows] += g.sum(1).square().sum(1)
-                    direct.add(name)
-                elif a.shape[1] ** 2 <= a.shape[2] * g.shape[2]:  # token pairs cost less than the product
-                    squares[rows] += _ghost_squares(a, g)
-                    ghost.add(name)
-                else:
-                    squares[rows] += (g.transpose(1, 2) @ a).square().sum((1, 2))
-                    direct.add(name)
+        with _autocast_off(device.type):  # as on the fast path (_layer_squares)
+            _add_squares(squares, rows, rest_grads, layers, layer_inputs, output_grads, n, ghost, direct)
     return squares, sorted(ghost), sorted(direct)
+
+
+def _add_squares(squares, rows, rest_grads, layers, layer_inputs, output_grads, n, ghost, direct):
+    """_squared_norms_by_vmap's sum for one chunk: the streamed parameters' squared norms, and each covered layer's
+    share from its input and output gradient, into squares[rows]; the covered names into ghost and direct."""
+    if rest_grads:  # one norm per parameter and example, then one sum: a few operations per parameter, no copy
+        squares[rows] += torch.stack([_row_squares(g) for g in rest_grads.values()]).sum(0)
+    for (module, own, _), a, g in zip(layers.values(), layer_inputs, output_grads):
+        a, g = a.reshape(n, -1, a.shape[-1]), g.reshape(n, -1, g.shape[-1])  # (n, T, d_in), (n, T, d_out)
+        for name, p in own.items():
+            if p is module.bias:
+                squares[rows] += g.sum(1).square().sum(1)
+                direct.add(name)
+            elif a.shape[1] ** 2 <= a.shape[2] * g.shape[2]:  # token pairs cost less than the product
+                squares[rows] += _ghost_squares(a, g)
+                ghost.add(name)
+            else:
+                squares[rows] += (g.transpose(1, 2) @ a).square().sum((1, 2))
+                direct.add(name)
 
 
 def _squared_norms_by_loop(model, loss_fn, batch, trainable):
