@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._higher_order_ops.while_loop import while_loop  # torch's own loop operator, not yet public
+from torch.utils._pytree import tree_flatten
 
 import torch_func_recipes as tfr
 
@@ -694,6 +695,47 @@ def test_a_model_that_mixes_the_examples_is_refused(recipe):
         PER_EXAMPLE[recipe](mixer, CE, X, T)
     plain = nn.Sequential(nn.Conv1d(1, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(8, 3))  # float32
     PER_EXAMPLE[recipe](plain, CE, X.float()[:, None], T)
+
+
+class Difference(nn.Module):
+    """f(x1) - f(x2) for inputs 1e-2 apart, in float32: an output 1e-2 of the numbers it is the difference of."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.f(x[:, 0]) - self.f(x[:, 1])
+
+
+@pytest.mark.parametrize("recipe", list(PER_EXAMPLE))
+def test_a_difference_of_close_outputs_is_not_taken_for_mixing(recipe):
+    """A batch of two and one example round differently, on the scale of the numbers an output is the difference of:
+    here 4.4e-5 of the output, which the check of examples apart took for mixing (it refused the model on every path,
+    the loop's too). Each example beside a copy of itself (a pass of the pair's size) gives the pair's rows exactly,
+    so the model runs, and every recipe equals the loop. The gradients are differences of numbers 100 times larger,
+    so float32 keeps about 100 u = 6e-6 of them: the tolerance is 1e-4 of the largest entry (measured within 5e-6)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 2, 16, generator=g)
+    x[:, 1] = x[:, 0] + 1e-2 * torch.randn(5, 16, generator=g)
+    model = Difference()
+    found = PER_EXAMPLE[recipe](model, CE, x, T)
+    expected = PER_EXAMPLE[recipe](model, CE, x, T, path="loop")
+    for a, b in zip(*(tree_flatten(v)[0] for v in (found, expected))):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * b.abs().max().item())
+
+
+def test_a_slight_mixing_is_still_refused_after_the_same_size_pass():
+    """1e-4 of the batch's mean added to each output: the pair and each example alone differ by less than
+    _SIZES_ROUNDING, so each example beside a copy of itself runs too, and differs from the pair's row (a copy's mean
+    is the example itself): refused, as before."""
+    torch.manual_seed(1)
+    layer = nn.Linear(4, 3).double()
+    model = type("SlightMean", (nn.Module,), {"forward": lambda self, x: (lambda h: h + 1e-4 * h.mean(0))(self.layer(x))})()
+    model.layer = layer
+    with pytest.raises(ValueError, match=r"depends on the other examples of the batch \(its first two examples give outputs \d"):
+        tfr.per_sample_grads(model, CE, X, T)
 
 
 @pytest.mark.parametrize("recipe", list(PER_EXAMPLE))

@@ -260,8 +260,8 @@ class _Batch:
         size = next((leaf.shape[0] for leaf, b in zip(leaves, batched) if b), self.size)
         return _Batch(tuple(args), dict(kwargs), targets, self.batched_args, self.batched_kwargs, size)
 
-    def rows(self, rows: slice) -> "_Batch":
-        """The examples in `rows`, as a batch of its own."""
+    def rows(self, rows: slice | list[int]) -> "_Batch":
+        """The examples in `rows` (a slice, or a list of indices, which may repeat), as a batch of its own."""
         leaves, _, batched = self._leaves()
         return self._rebuild([leaf[rows] if b else leaf for leaf, b in zip(leaves, batched)])
 
@@ -519,7 +519,9 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> str | None:
     gradients will be None) and autocast off (its rounding differs between batch sizes: a bfloat16 Llama's
     outputs 3e-3 apart), and every output tensor with the two examples along dimension 0 must agree to a
     relative 1e-5 of its largest entry, or 16 roundings of a dtype coarser than float32 (rounding between batch
-    sizes stays far below). A model that fails on the two together but runs on each alone depends on the batch's
+    sizes stays far below, but for an output that is a difference of larger numbers: where they differ by no more
+    than _SIZES_ROUNDING, each example beside a copy of itself, a pass of the pair's size, must give the pair's
+    row, or the model mixes them). A model that fails on the two together but runs on each alone depends on the batch's
     size (a tensor with a row per example passed as unbatched, which the fast path's trace would take for a
     constant with a row per example, where vmap and the loop give every example all of it): the reason is
     returned (else None), for the fast path to step aside; one that reads the size but agrees at two examples
@@ -575,31 +577,58 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> str | None:
                     passed.add(signature)
                 return None
             alone = [_detached(batch.rows(slice(n, n + 1)).call(model)) for n in (0, other)]
+            gap = _largest_gap(together, alone[0], alone[1])
+            if gap is not None and gap[0] <= _SIZES_ROUNDING:  # each example beside a copy of itself: the pair's size
+                copies = [_detached(batch.rows([n, n]).call(model)) for n in (0, other)]
+                row = lambda outputs, i: [o[i:i + 1] if isinstance(o, torch.Tensor) and o.dim() else o for o in outputs]  # noqa: E731
+                if _largest_gap(together, row(copies[0], 0), row(copies[1], 1)) is None:
+                    gap = None  # the pair's rows are each example's own: only the two sizes' rounding differs
     except _BatchSizeRead:
         return (f"the model runs on one example at a time and on all {len(batch)} together but not on two of them "
                 "together: its batched forward pass depends on the batch's size (a tensor with a row per example passed "
                 "as unbatched, which every example receives whole off the fast path, say), which the trace cannot see")
     except Exception:  # any error: the recipe's own path meets it and reports it (no message is read here)
         return None
+    if gap is not None:
+        pair_named = "first two examples" if other == 1 else f"examples 0 and {other}"
+        raise ValueError("the model's output for one example depends on the other examples of the batch (its "
+                         f"{pair_named} give outputs {gap[1]:.1e} apart, relative to the largest, together and alone): "
+                         "a batch statistic or an operation across the batch mixes them, or a number read from the "
+                         "whole batch (its size, x.shape[0], or values by .tolist()), so no example has a gradient "
+                         "of its own; compute it per example (BatchNorm: model.eval(), or GroupNorm/LayerNorm)")
+    if signature is not None:
+        passed.add(signature)
+    return None
+
+
+# The largest difference, relative to the largest output, that _check_examples_apart takes for rounding between a batch
+# of two and one example, once each example beside a copy of itself gives the pair's row exactly as in the pair: an
+# output that is a difference of larger numbers (f(x1) - f(x2) for inputs 1e-2 apart: 1.2e-5 in float32) shows the two
+# sizes' rounding on the scale of those numbers. A model that reads the batch's size differs by far more (h /
+# x.shape[0]: 0.5); one that differs by less is left to the fast path's comparison of its end rows
+# (_trace._end_rows_alone), as one that agrees at two examples is.
+_SIZES_ROUNDING = 1e-3
+
+
+def _largest_gap(together: list, first: list, second: list) -> tuple[float, float] | None:
+    """Where a pass of two examples' outputs (together, flattened) differ from the rows given for each (first and
+    second: the same outputs' rows for that example, (1, ...) each) by more than _tolerance relative to the largest
+    entry: (the largest such difference relative to the largest entry, the same for the output it was first seen in);
+    None where they agree. Outputs that are not floating tensors with the two examples along dimension 0 are skipped."""
+    found = None
     for k, joint in enumerate(together):
         if not (isinstance(joint, torch.Tensor) and joint.is_floating_point() and joint.dim() >= 1 and joint.shape[0] == 2):
             continue
-        parts = [a[k] for a in alone if k < len(a) and isinstance(a[k], torch.Tensor) and a[k].shape == (1, *joint.shape[1:])]
+        parts = [rows[k] for rows in (first, second) if k < len(rows) and isinstance(rows[k], torch.Tensor)
+                 and rows[k].shape == (1, *joint.shape[1:])]
         if len(parts) != 2:
             continue
         separate = torch.cat(parts)
         scale, tolerance = joint.abs().max().item(), _tolerance(joint)
         if not torch.allclose(joint, separate, rtol=tolerance, atol=tolerance * scale):
             gap = (joint - separate).abs().max().item() / max(scale, torch.finfo(joint.dtype).tiny)
-            pair_named = "first two examples" if other == 1 else f"examples 0 and {other}"
-            raise ValueError("the model's output for one example depends on the other examples of the batch (its "
-                             f"{pair_named} give outputs {gap:.1e} apart, relative to the largest, together and alone): "
-                             "a batch statistic or an operation across the batch mixes them, or a number read from the "
-                             "whole batch (its size, x.shape[0], or values by .tolist()), so no example has a gradient "
-                             "of its own; compute it per example (BatchNorm: model.eval(), or GroupNorm/LayerNorm)")
-    if signature is not None:
-        passed.add(signature)
-    return None
+            found = (max(gap, found[0]), found[1]) if found is not None else (gap, gap)
+    return found
 
 
 def _memory_span(t: torch.Tensor) -> tuple[Any, int, int]:

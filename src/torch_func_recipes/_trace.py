@@ -758,7 +758,8 @@ def _end_rows_alone(model, memo, batch, output, key):
                  and t.dim() >= 1 and t.shape[0] == len(batch) and a.shape == (1, *t.shape[1:])]
         if pairs and not _outputs_agree([t for t, _ in pairs], [a for _, a in pairs], slack):
             return (f"example {n}'s output in the batch of {len(batch)} differs from its output alone, though two examples "
-                    "agree: the forward pass reads a number from the whole batch (its size, say) that the trace cannot see")
+                    "agree: the forward pass reads a number from the whole batch (its size, say) that the trace cannot see, "
+                    "or its output is a difference of far larger numbers, which round otherwise in a batch of another size")
     if key is not None and key[-1] is None:  # no select
         checked.add(key)
     return None
