@@ -726,14 +726,22 @@ def test_a_difference_of_close_outputs_is_not_taken_for_mixing(recipe):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * b.abs().max().item())
 
 
-def test_a_slight_mixing_is_still_refused_after_the_same_size_pass():
+@pytest.mark.parametrize("twins", ["run", "raise"])
+def test_a_slight_mixing_is_still_refused_after_the_same_size_pass(twins):
     """1e-4 of the batch's mean added to each output: the pair and each example alone differ by less than
     _SIZES_ROUNDING, so each example beside a copy of itself runs too, and differs from the pair's row (a copy's mean
-    is the example itself): refused, as before."""
+    is the example itself): refused, as before; also where a batch of two equal examples raises (it let the model
+    through)."""
     torch.manual_seed(1)
-    layer = nn.Linear(4, 3).double()
-    model = type("SlightMean", (nn.Module,), {"forward": lambda self, x: (lambda h: h + 1e-4 * h.mean(0))(self.layer(x))})()
-    model.layer = layer
+
+    def forward(self, x):
+        if twins == "raise" and len(x) == 2 and torch.equal(x[0], x[1]):
+            raise RuntimeError("two equal examples")
+        h = self.layer(x)
+        return h + 1e-4 * h.mean(0)
+
+    model = type("SlightMean", (nn.Module,), {"forward": forward})()
+    model.layer = nn.Linear(4, 3).double()
     with pytest.raises(ValueError, match=r"depends on the other examples of the batch \(its first two examples give outputs \d"):
         tfr.per_sample_grads(model, CE, X, T)
 

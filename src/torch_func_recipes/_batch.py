@@ -579,9 +579,12 @@ def _check_examples_apart(model: nn.Module, batch: _Batch) -> str | None:
             alone = [_detached(batch.rows(slice(n, n + 1)).call(model)) for n in (0, other)]
             gap = _largest_gap(together, alone[0], alone[1])
             if gap is not None and gap[0] <= _SIZES_ROUNDING:  # each example beside a copy of itself: the pair's size
-                copies = [_detached(batch.rows([n, n]).call(model)) for n in (0, other)]
+                try:
+                    copies = [_detached(batch.rows([n, n]).call(model)) for n in (0, other)]
+                except Exception:  # noqa: BLE001 (no message read): the gap stands
+                    copies = None
                 row = lambda outputs, i: [o[i:i + 1] if isinstance(o, torch.Tensor) and o.dim() else o for o in outputs]  # noqa: E731
-                if _largest_gap(together, row(copies[0], 0), row(copies[1], 1)) is None:
+                if copies is not None and _largest_gap(together, row(copies[0], 0), row(copies[1], 1)) is None:
                     gap = None  # the pair's rows are each example's own: only the two sizes' rounding differs
     except _BatchSizeRead:
         return (f"the model runs on one example at a time and on all {len(batch)} together but not on two of them "
