@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._layers import _autocast_off, _LayerRule, _register
+from ._layers import _LayerRule, _register
 
 
 class _EmbeddingRule(_LayerRule):
@@ -122,11 +122,10 @@ class _EmbeddingRule(_LayerRule):
         # position s's row of the example's gradient, the sum of the gradients at the positions with its id, counted
         # once per id: sum_s |row_s|^2 / (how often id_s occurs). From pairs of positions like a ghost norm, but each
         # row is added up before it is squared, so rows that cancel leave no rounding of their size behind
-        work = torch.promote_types(g.dtype, torch.float32)
-        with _autocast_off(g.device.type):
-            same = same.to(work)
-            rows = torch.linalg.vector_norm(same @ g.to(work), dim=2).square()
-            return [(layer["weight"], (rows / same.sum(2).clamp(min=1)).sum(1), "ghost")]
+        work = torch.promote_types(g.dtype, torch.float32)  # autocast is off (per_sample._layer_squares)
+        same = same.to(work)
+        rows = torch.linalg.vector_norm(same @ g.to(work), dim=2).square()
+        return [(layer["weight"], (rows / same.sum(2).clamp(min=1)).sum(1), "ghost")]
 
 
 _register(_EmbeddingRule())

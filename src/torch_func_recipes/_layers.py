@@ -186,20 +186,19 @@ def _pair_rounding(dtype: torch.dtype, widths: tuple[int, ...], rows: int) -> fl
 def _ghost_squares(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """(N,) squared norms ||g_n^T a_n||^2 for a (N, T, d_in) and g (N, T, d_out), from pairs of rows (the ghost
     norm): sum over s, t of (a_s . a_t)(g_s . g_t), N T^2 (d_in + d_out) products in place of N T d_in d_out. In
-    float32 at least, with autocast off. Where the rows' gradients cancel, the pairs' sum is mostly rounding
-    (_GHOST_MARGIN; its scale, sum_t |a_t|^2 |g_t|^2, is the pairs' diagonal): those entries are the product
+    float32 at least (its callers turn autocast off). Where the rows' gradients cancel, the pairs' sum is mostly
+    rounding (_GHOST_MARGIN; its scale, sum_t |a_t|^2 |g_t|^2, is the pairs' diagonal): those entries are the product
     g_n^T a_n itself, found for them alone after one look at which they are (a synchronisation on a GPU), a few at a
     time, so that their products together hold no more numbers than g."""
     work = torch.promote_types(torch.promote_types(a.dtype, g.dtype), torch.float32)
-    with _autocast_off(a.device.type):
-        a, g = a.to(work), g.to(work)
-        pairs = (a @ a.transpose(1, 2)).mul_(g @ g.transpose(1, 2))
-        found = pairs.sum((1, 2))
-        rounding = _pair_rounding(work, (a.shape[2], g.shape[2]), a.shape[1] ** 2)
-        unsure = (found < pairs.diagonal(dim1=1, dim2=2).sum(1).mul_(_GHOST_MARGIN * rounding)).nonzero()[:, 0]
-        step = max(1, g.numel() // (a.shape[2] * g.shape[2]))
-        for part in unsure.split(step):
-            found[part] = (g[part].transpose(1, 2) @ a[part]).square().sum((1, 2))
+    a, g = a.to(work), g.to(work)
+    pairs = (a @ a.transpose(1, 2)).mul_(g @ g.transpose(1, 2))
+    found = pairs.sum((1, 2))
+    rounding = _pair_rounding(work, (a.shape[2], g.shape[2]), a.shape[1] ** 2)
+    unsure = (found < pairs.diagonal(dim1=1, dim2=2).sum(1).mul_(_GHOST_MARGIN * rounding)).nonzero()[:, 0]
+    step = max(1, g.numel() // (a.shape[2] * g.shape[2]))
+    for part in unsure.split(step):
+        found[part] = (g[part].transpose(1, 2) @ a[part]).square().sum((1, 2))
     return found
 
 
